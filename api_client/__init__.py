@@ -1,0 +1,24 @@
+"""kiln's client: submit render jobs to kiln workers through Redis. Never imports torch."""
+
+from api_client.client import KilnClient, KilnJob, ModelInfo, TimingFit
+from api_client.errors import JobTimeout, KilnError, Problem, RenderFailed, RequestRejected, UnknownJob
+from api_client.manifest import Manifest, ManifestInvalid
+from api_client.schema import Progress, RenderRequest, RenderResult
+
+__all__ = [
+    "JobTimeout",
+    "KilnClient",
+    "KilnError",
+    "KilnJob",
+    "Manifest",
+    "ManifestInvalid",
+    "ModelInfo",
+    "Problem",
+    "Progress",
+    "RenderFailed",
+    "RenderRequest",
+    "RenderResult",
+    "RequestRejected",
+    "TimingFit",
+    "UnknownJob",
+]

@@ -1,0 +1,229 @@
+"""KilnClient: validate a request against published manifests, enqueue it, follow it to its result."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+from rq import Queue
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from api_client import keys
+from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
+from api_client.schema import RENDER_FUNC, Progress, RenderRequest, RenderResult
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+JOB_TIMEOUT_S = 600
+RESULT_TTL_S = 7 * 24 * 3600
+STOP_TTL_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class TimingFit:
+    """A worker's measured fit for one model and size: seconds = fixed_s + steps * per_step_s."""
+
+    fixed_s: float
+    per_step_s: float
+    samples: int
+
+    def eta(self, steps: int, num_images: int = 1) -> float:
+        return num_images * (self.fixed_s + steps * self.per_step_s)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    manifest: Manifest
+    fits: dict[tuple[int, int], TimingFit] = field(default_factory=dict)
+    workers: list[str] = field(default_factory=list)
+    resident_on: list[str] = field(default_factory=list)
+
+    @property
+    def default_eta_s(self) -> float | None:
+        fit = self.fits.get(self.manifest.default_size)
+        return None if fit is None else fit.eta(self.manifest.steps.default)
+
+
+class KilnJob:
+    """A handle on one submitted job; cheap to make, reads Redis on every call."""
+
+    def __init__(self, job_id: str, connection: Redis) -> None:
+        self.id = job_id
+        self._connection = connection
+
+    def __repr__(self) -> str:
+        return f"KilnJob({self.id!r})"
+
+    def _fetch(self) -> Job:
+        try:
+            return Job.fetch(self.id, connection=self._connection, serializer=JSONSerializer)
+        except NoSuchJobError:
+            raise UnknownJob(f"no job {self.id!r} in Redis (never submitted, or expired)") from None
+
+    def status(self) -> str:
+        """queued, started, finished, failed, stopped or canceled (RQ's names)."""
+        status = self._fetch().get_status(refresh=False)
+        return str(status.value if isinstance(status, JobStatus) else status)
+
+    def progress(self) -> Progress | None:
+        meta = self._fetch().get_meta(refresh=False)
+        raw = meta.get("progress")
+        return Progress.model_validate(raw) if raw else None
+
+    def result(self) -> RenderResult | None:
+        """The result if the job finished; RenderFailed if it failed, stopped or was canceled."""
+        job = self._fetch()
+        return self._outcome(job)
+
+    def _outcome(self, job: Job) -> RenderResult | None:
+        status = job.get_status(refresh=False)
+        if status == JobStatus.FINISHED:
+            return RenderResult.model_validate(job.return_value(refresh=True))
+        if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+            meta = job.get_meta(refresh=False)
+            message = (meta.get("error") or {}).get("message") or _last_line(job.latest_result())
+            raise RenderFailed(self.id, message or str(status.value), status=str(status.value))
+        return None
+
+    def wait(self, timeout: float = 600.0, poll: float = 0.1) -> RenderResult:
+        """Block until the job ends; return its result or raise RenderFailed / JobTimeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self._outcome(self._fetch())
+            if result is not None:
+                return result
+            if time.monotonic() >= deadline:
+                raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
+            time.sleep(poll)
+
+    def cancel(self) -> str:
+        """Queued: removed from its queue. Running: stopped at the next denoise step, not retried.
+
+        Returns the status seen when the cancel was made.
+        """
+        self._connection.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
+        job = self._fetch()
+        status = job.get_status(refresh=False)
+        if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
+            job.cancel()
+        return str(status.value)
+
+
+def _last_line(result: Any) -> str | None:
+    text = getattr(result, "exc_string", None)
+    if not text:
+        return None
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+class KilnClient:
+    """Submit image jobs to kiln workers through Redis."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_REDIS_URL,
+        *,
+        connection: Redis | None = None,
+        manifests_dir: str | Path | None = None,
+    ) -> None:
+        self.connection = connection if connection is not None else Redis.from_url(url)
+        self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
+
+    @classmethod
+    def from_env(cls) -> KilnClient:
+        """KILN_REDIS_URL and KILN_MANIFESTS, the only two settings a client needs."""
+        return cls(
+            os.environ.get("KILN_REDIS_URL", DEFAULT_REDIS_URL),
+            manifests_dir=os.environ.get("KILN_MANIFESTS", "manifests"),
+        )
+
+    def manifests(self) -> dict[str, Manifest]:
+        """Manifests workers published to Redis; the local directory when none are published."""
+        published = self.connection.hgetall(keys.MANIFESTS_KEY)
+        if published:
+            return {
+                _text(model_id): Manifest.model_validate_json(raw) for model_id, raw in published.items()
+            }
+        manifests, _failures = load_manifest_dir(self.manifests_dir)
+        return manifests
+
+    def validate(self, request: RenderRequest | dict[str, Any]) -> RenderRequest:
+        """The request with defaults filled in, or RequestRejected naming every broken rule."""
+        parsed = RenderRequest.parse(request)
+        manifest = check_servable(parsed, self.manifests())
+        return resolve_request(parsed, manifest)
+
+    def submit(
+        self,
+        request: RenderRequest | dict[str, Any],
+        *,
+        job_id: str | None = None,
+        at_front: bool = False,
+        timeout_s: int = JOB_TIMEOUT_S,
+    ) -> KilnJob:
+        """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
+        resolved = self.validate(request)
+        queue = Queue(keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer)
+        job_id = job_id or uuid.uuid4().hex
+        try:
+            queue.enqueue_call(
+                RENDER_FUNC,
+                kwargs={"request": resolved.model_dump(mode="json")},
+                job_id=job_id,
+                unique=True,
+                at_front=at_front,
+                timeout=timeout_s,
+                result_ttl=RESULT_TTL_S,
+                failure_ttl=RESULT_TTL_S,
+                description=f"{resolved.model}: {resolved.prompt[:60]}",
+            )
+        except DuplicateJobError:
+            pass  # already submitted: idempotent, hand back the same job
+        return KilnJob(job_id, self.connection)
+
+    def job(self, job_id: str) -> KilnJob:
+        return KilnJob(job_id, self.connection)
+
+    def models(self) -> list[ModelInfo]:
+        """Published manifests with measured timing fits and the workers serving each model."""
+        manifests = self.manifests()
+        fits: dict[str, dict[tuple[int, int], TimingFit]] = {}
+        for raw_key, raw in self.connection.hgetall(keys.FITS_KEY).items():
+            model_id, _, size = _text(raw_key).rpartition(":")
+            width, _, height = size.partition("x")
+            data = json.loads(raw)
+            fits.setdefault(model_id, {})[(int(width), int(height))] = TimingFit(
+                fixed_s=float(data["fixed_s"]), per_step_s=float(data["per_step_s"]), samples=int(data["samples"])
+            )
+        serving: dict[str, list[str]] = {}
+        resident: dict[str, list[str]] = {}
+        for state in self.workers():
+            for model_id in state.get("models", []):
+                serving.setdefault(model_id, []).append(state["name"])
+            for model_id in state.get("resident", []):
+                resident.setdefault(model_id, []).append(state["name"])
+        return [
+            ModelInfo(m, fits.get(m.id, {}), serving.get(m.id, []), resident.get(m.id, []))
+            for m in sorted(manifests.values(), key=lambda m: m.id)
+        ]
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Live workers' published state (those whose heartbeat key has not expired)."""
+        names = [_text(n) for n in self.connection.zrange(keys.WORKERS_KEY, 0, -1)]
+        if not names:
+            return []
+        states = self.connection.mget([keys.worker_key(n) for n in names])
+        return [json.loads(raw) for raw in states if raw]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,26 @@
+"""Redis names shared by client and worker: one queue per model, and the published state."""
+
+from __future__ import annotations
+
+QUEUE_PREFIX = "kiln:"
+MANIFESTS_KEY = "kiln:manifests"  # hash: model id -> manifest JSON
+FITS_KEY = "kiln:fits"  # hash: "<model>:<w>x<h>" -> timing fit JSON
+WORKERS_KEY = "kiln:workers"  # sorted set: worker name -> last heartbeat (unix s)
+WORKER_KEY_PREFIX = "kiln:worker:"  # string with TTL: worker name -> state JSON
+STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel was asked
+
+
+def queue_name(model_id: str) -> str:
+    return f"{QUEUE_PREFIX}{model_id}"
+
+
+def stop_key(job_id: str) -> str:
+    return f"{STOP_KEY_PREFIX}{job_id}"
+
+
+def worker_key(name: str) -> str:
+    return f"{WORKER_KEY_PREFIX}{name}"
+
+
+def fit_field(model_id: str, width: int, height: int) -> str:
+    return f"{model_id}:{width}x{height}"

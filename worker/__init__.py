@@ -1,0 +1,1 @@
+"""kiln's render worker. Submodules that touch torch import it themselves; this package does not."""

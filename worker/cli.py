@@ -1,0 +1,231 @@
+"""The `kiln` command. Imports stay inside each verb so `kiln --help` never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="A render worker for diffusion models.")
+    verbs = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    worker = verbs.add_parser("worker", help="serve render jobs from Redis (keeps pipelines resident)")
+    worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    worker.add_argument("--models", help="comma-separated model ids to serve (default: all manifests)")
+    worker.add_argument("--memory-mode", choices=["auto", "full", "model_offload", "group_offload"])
+    worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    worker.add_argument("--name", help="worker name (default: RQ's host.pid name)")
+    worker.set_defaults(handler=_worker)
+
+    submit = verbs.add_parser("submit", help="enqueue one render job")
+    submit.add_argument("prompt")
+    submit.add_argument("--model", required=True)
+    submit.add_argument("--negative-prompt")
+    submit.add_argument("--steps", type=int)
+    submit.add_argument("--guidance", type=float)
+    submit.add_argument("--width", type=int)
+    submit.add_argument("--height", type=int)
+    submit.add_argument("--seed", type=int)
+    submit.add_argument("--num-images", type=int)
+    submit.add_argument("--format", dest="output_format", choices=["png", "webp", "jpeg"])
+    submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
+    submit.add_argument("--front", action="store_true", help="put the job at the front of its queue")
+    submit.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
+    submit.add_argument("--timeout", type=float, default=600.0, help="seconds --wait gives up after")
+    submit.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    submit.set_defaults(handler=_submit)
+
+    models = verbs.add_parser("models", help="published models, the workers serving them, and ETAs")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(handler=_models)
+
+    manifests = verbs.add_parser("manifests", help="check or publish model manifests")
+    manifest_verbs = manifests.add_subparsers(title="manifest commands", metavar="ACTION")
+    check = manifest_verbs.add_parser("check", help="validate every manifest; exit 1 naming each problem")
+    check.add_argument("dir", nargs="?", type=Path)
+    check.set_defaults(handler=_manifests_check)
+    publish = manifest_verbs.add_parser("publish", help="publish manifests to Redis for clients")
+    publish.add_argument("dir", nargs="?", type=Path)
+    publish.set_defaults(handler=_manifests_publish)
+
+    doctor = verbs.add_parser("doctor", help="device, memory, dtypes, attention, compile, torchao, Redis")
+    doctor.add_argument("--model", help="also load this model and print its switch report")
+    doctor.set_defaults(handler=_doctor)
+
+    tiny = verbs.add_parser("tiny-models", help="build the tiny random-weight pipelines")
+    tiny.add_argument("dir", nargs="?", type=Path, help="default: KILN_MODELS_DIR")
+    tiny.add_argument("--force", action="store_true", help="rebuild even if present")
+    tiny.set_defaults(handler=_tiny_models)
+
+    timings = verbs.add_parser("timings", help="per-model phase medians and p90 from the timings log")
+    timings.add_argument("log", nargs="?", type=Path, help="default: KILN_TIMINGS_LOG")
+    timings.add_argument("--csv", type=Path, help="also write every record as CSV")
+    timings.add_argument("--chart", type=Path, help="also draw a PNG chart of phase medians")
+    timings.add_argument("--last", type=int, help="show the last N jobs one per row")
+    timings.set_defaults(handler=_timings)
+    return parser
+
+
+def _settings() -> Any:
+    from worker.settings import Settings
+
+    return Settings()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.manifest import ManifestsInvalid, load_manifests
+
+    settings = _settings()
+    if args.memory_mode:
+        settings = settings.model_copy(update={"memory_mode": args.memory_mode})
+    if args.metrics_port:
+        settings = settings.model_copy(update={"metrics_port": args.metrics_port})
+    only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    try:
+        manifests = load_manifests(settings.manifests, only)
+    except ManifestsInvalid as exc:
+        print(f"kiln worker: refusing to start on invalid manifests:\n{exc}", file=sys.stderr)
+        return 1
+    from worker.serve import serve
+
+    return serve(settings, manifests, burst=args.burst, name=args.name)
+
+
+def _client() -> Any:
+    from api_client import KilnClient
+
+    return KilnClient.from_env()
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from api_client import RenderFailed, RequestRejected
+
+    request: dict[str, Any] = {"model": args.model, "prompt": args.prompt}
+    for field in ("negative_prompt", "steps", "guidance", "width", "height", "seed", "num_images", "output_format"):
+        value = getattr(args, field)
+        if value is not None:
+            request[field] = value
+    client = _client()
+    try:
+        job = client.submit(request, job_id=args.job_id, at_front=args.front)
+    except RequestRejected as exc:
+        print(f"kiln submit: {exc}", file=sys.stderr)
+        return 2
+    if not args.wait:
+        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{args.model}")
+        return 0
+    from worker.display import wait_with_progress
+
+    try:
+        result = wait_with_progress(job, timeout=args.timeout, quiet=args.json)
+    except RenderFailed as exc:
+        print(json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message}) if args.json
+              else f"kiln submit: {exc}", file=sys.stdout if args.json else sys.stderr)
+        return 1
+    if args.json:
+        print(result.model_dump_json())
+    else:
+        from worker.display import print_result
+
+        print_result(result)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    client = _client()
+    infos = client.models()
+    if args.json:
+        print(json.dumps([_model_json(info) for info in infos], indent=2))
+        return 0
+    from worker.display import print_models
+
+    print_models(infos)
+    return 0
+
+
+def _model_json(info: Any) -> dict[str, Any]:
+    return {
+        "id": info.manifest.id,
+        "family": info.manifest.family,
+        "default_steps": info.manifest.steps.default,
+        "default_size": list(info.manifest.default_size),
+        "workers": info.workers,
+        "resident_on": info.resident_on,
+        "eta_s": info.default_eta_s,
+        "fits": {f"{w}x{h}": vars(fit) for (w, h), fit in info.fits.items()},
+    }
+
+
+def _manifests_check(args: argparse.Namespace) -> int:
+    from api_client.manifest import load_manifest_dir
+
+    directory = args.dir or _settings().manifests
+    manifests, failures = load_manifest_dir(directory)
+    for failure in failures:
+        for p in failure.problems:
+            print(f"{failure.path}: field {p.field}: value {p.value!r}: {p.rule}", file=sys.stderr)
+    print(f"{len(manifests)} valid, {len(failures)} invalid in {directory}")
+    return 1 if failures else 0
+
+
+def _manifests_publish(args: argparse.Namespace) -> int:
+    from redis import Redis
+
+    from worker.manifest import ManifestsInvalid, load_manifests, publish_manifests
+
+    settings = _settings()
+    try:
+        manifests = load_manifests(args.dir or settings.manifests)
+    except ManifestsInvalid as exc:
+        print(f"kiln manifests publish: not publishing invalid manifests:\n{exc}", file=sys.stderr)
+        return 1
+    publish_manifests(Redis.from_url(settings.redis_url), manifests)
+    print(f"published {len(manifests)} manifests to {settings.redis_url}: {', '.join(sorted(manifests))}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from worker.doctor import run_doctor
+
+    return run_doctor(_settings(), model=args.model)
+
+
+def _tiny_models(args: argparse.Namespace) -> int:
+    import time
+
+    from worker.tiny import build_tiny_models
+
+    directory = args.dir or _settings().models_dir
+    started = time.perf_counter()
+    built = build_tiny_models(directory, force=args.force)
+    for name, path in built.items():
+        print(f"{name}: {path}")
+    print(f"tiny models ready in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _timings(args: argparse.Namespace) -> int:
+    from worker.report import run_report
+
+    settings = _settings()
+    return run_report(args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Human output for the command line: progress while waiting, results and model tables."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from api_client import KilnJob, ModelInfo, RenderResult
+from api_client.errors import JobTimeout
+from api_client.schema import PHASES
+
+console = Console(stderr=True)
+
+
+def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False, poll: float = 0.1) -> RenderResult:
+    """Poll the job; draw {phase, step/steps} as a bar on stderr unless quiet."""
+    deadline = time.monotonic() + timeout
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"{job.id[:8]} queued", total=None)
+        while True:
+            result = job.result()
+            if result is not None:
+                return result
+            progress = job.progress()
+            if progress is not None:
+                bar.update(
+                    task,
+                    description=f"{job.id[:8]} {progress.phase}",
+                    completed=progress.step,
+                    total=progress.steps or None,
+                )
+            if time.monotonic() >= deadline:
+                raise JobTimeout(f"job {job.id} still {job.status()} after {timeout:.0f} s")
+            time.sleep(poll)
+
+
+def print_result(result: RenderResult) -> None:
+    out = Console()
+    out.print(f"[bold green]done[/] {result.job_id}  {result.model}  seed {result.seed}  "
+              f"{result.steps} steps  guidance {result.guidance}  {result.width}x{result.height}")
+    for image in result.images:
+        out.print(f"  {image.path}  sha256 {image.sha256[:16]}")
+    out.print(f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
+              f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}")
+    table = Table(*[p for p in PHASES], title="timings (s)")
+    table.add_row(*[f"{getattr(result.timings, p):.3f}" for p in PHASES])
+    out.print(table)
+
+
+def print_models(infos: list[ModelInfo]) -> None:
+    table = Table("model", "family", "default", "sizes", "workers", "resident", "ETA (default job)")
+    for info in infos:
+        m = info.manifest
+        eta = info.default_eta_s
+        table.add_row(
+            m.id,
+            m.family,
+            f"{m.steps.default} steps, g {m.guidance.default}",
+            " ".join(f"{w}x{h}" for w, h in m.resolutions),
+            str(len(info.workers)),
+            ", ".join(info.resident_on) or "-",
+            f"{eta:.2f} s" if eta is not None else "not measured",
+        )
+    Console().print(table)
+
+
+def phase_table(records: list[Any], title: str) -> Table:
+    table = Table("job", "model", "size", "steps", "rung", "cold", "status", *PHASES, title=title)
+    for r in records:
+        table.add_row(
+            r.job_id[:8],
+            r.model or "?",
+            f"{r.width}x{r.height}" if r.width else "-",
+            str(r.steps or "-"),
+            r.rung or "-",
+            "yes" if r.cold else "",
+            r.status,
+            *[f"{getattr(r.timings, p):.3f}" for p in PHASES],
+        )
+    return table

@@ -1,0 +1,70 @@
+"""Manifests on the worker side: load and check a directory, find the weights, publish to Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis import Redis
+
+from api_client import keys
+from api_client.errors import Problem
+from api_client.manifest import Manifest, ManifestInvalid, load_manifest_dir
+
+
+class ManifestsInvalid(Exception):
+    """One or more manifests are broken; the worker will not start on them."""
+
+    def __init__(self, failures: list[ManifestInvalid]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(str(f) for f in failures))
+
+
+def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, Manifest]:
+    """All manifests in directory, or ManifestsInvalid listing every problem in every file."""
+    manifests, failures = load_manifest_dir(directory)
+    if failures:
+        raise ManifestsInvalid(failures)
+    if only:
+        unknown = sorted(set(only) - set(manifests))
+        if unknown:
+            problems = [Problem("--models", model_id, "no manifest with this id") for model_id in unknown]
+            raise ManifestsInvalid([ManifestInvalid(directory, problems)])
+        manifests = {model_id: manifests[model_id] for model_id in only}
+    return manifests
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where from_pretrained reads: a local directory, or a hub id (with revision and variant)."""
+
+    location: str
+    local: bool
+
+
+def weights_source(manifest: Manifest, models_dir: Path) -> WeightsSource:
+    """A source with no slash, or an absolute/./ path, is a directory under models_dir; else a hub id."""
+    source = manifest.source
+    as_path = Path(source).expanduser()
+    if as_path.is_absolute() or source.startswith(("./", "../")) or "/" not in source:
+        path = as_path if as_path.is_absolute() else models_dir / as_path
+        if not (path / "model_index.json").is_file():
+            hint = " (run `kiln tiny-models`)" if manifest.id.startswith("tiny-") else ""
+            raise FileNotFoundError(
+                f"model {manifest.id}: source {source!r} resolves to {path}, which holds no "
+                f"model_index.json{hint}"
+            )
+        return WeightsSource(str(path), local=True)
+    local_path = models_dir / source
+    if (local_path / "model_index.json").is_file():
+        return WeightsSource(str(local_path), local=True)
+    return WeightsSource(source, local=False)
+
+
+def publish_manifests(connection: Redis, manifests: dict[str, Manifest]) -> None:
+    """Write manifests to Redis so clients validate against what workers actually serve."""
+    if not manifests:
+        return
+    connection.hset(
+        keys.MANIFESTS_KEY, mapping={m.id: m.model_dump_json() for m in manifests.values()}
+    )

@@ -1,0 +1,92 @@
+"""Image files and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from api_client.schema import ImageFile, OutputFormat, RenderResult
+
+RESULT_FILE = "result.json"
+_PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
+_EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+
+
+class OutputError(RuntimeError):
+    """The output directory cannot take the job's files (missing permission, full disk...)."""
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    data: bytes
+    width: int
+    height: int
+    format: OutputFormat
+    sha256: str
+
+
+def encode_image(image: Image.Image, fmt: OutputFormat) -> EncodedImage:
+    buffer = io.BytesIO()
+    options = {"png": {"compress_level": 4}, "webp": {"quality": 95}, "jpeg": {"quality": 95}}[fmt]
+    image.convert("RGB").save(buffer, format=_PIL_FORMAT[fmt], **options)
+    data = buffer.getvalue()
+    return EncodedImage(data, image.width, image.height, fmt, hashlib.sha256(data).hexdigest())
+
+
+def job_dir(output_dir: Path, job_id: str) -> Path:
+    if not job_id or "/" in job_id or job_id in (".", "..") or "\x00" in job_id:
+        raise OutputError(f"job id {job_id!r} cannot name an output directory")
+    return output_dir / job_id
+
+
+def save_images(output_dir: Path, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
+    """Write each image atomically (temp file + rename), so a crash never leaves half a file."""
+    directory = job_dir(output_dir, job_id)
+    files: list[ImageFile] = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for index, image in enumerate(images):
+            path = directory / f"{index}.{_EXTENSION[image.format]}"
+            _write_atomic(path, image.data)
+            files.append(
+                ImageFile(
+                    path=str(path.resolve()),
+                    width=image.width,
+                    height=image.height,
+                    format=image.format,
+                    sha256=image.sha256,
+                )
+            )
+    except OSError as exc:
+        raise OutputError(f"cannot write images for job {job_id} under {directory}: {exc}") from exc
+    return files
+
+
+def write_result(output_dir: Path, result: RenderResult) -> None:
+    """result.json is written last: its presence means the job's files are complete."""
+    path = job_dir(output_dir, result.job_id) / RESULT_FILE
+    try:
+        _write_atomic(path, result.model_dump_json(indent=2).encode())
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc}") from exc
+
+
+def finished_result(output_dir: Path, job_id: str) -> RenderResult | None:
+    """The result of a job already completed on disk (a worker died before reporting it)."""
+    path = job_dir(output_dir, job_id) / RESULT_FILE
+    try:
+        return RenderResult.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,326 @@
+"""Run one request: validate, pick a rung, load or reuse the pipeline, encode/denoise/decode with
+a stopwatch, walk down the memory ladder on out-of-memory, save, and leave one timing record."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+import torch
+from PIL import Image
+
+from api_client.manifest import Manifest, check_servable, resolve_request
+from api_client.schema import Attempt, RenderRequest, RenderResult
+from worker import device as dev
+from worker import output
+from worker.device import DeviceInfo
+from worker.families import family_of
+from worker.faults import FaultPlan
+from worker.ladder import GB, Rung, RungChoice, RungMemory, lower_rung, pick_rung, rung_need_gb, usable_gb
+from worker.pipelines import LoadedPipeline, PipelineCache, load_pipeline, release_memory
+from worker.settings import Settings
+from worker.timings import Stopwatch, TimingRecord, emit
+
+log = logging.getLogger(__name__)
+
+
+class JobContext(Protocol):
+    """What a render needs from whoever runs it (the RQ worker, a benchmark, a test)."""
+
+    job_id: str
+    queue_wait_s: float
+
+    def progress(self, phase: str, step: int, steps: int) -> None: ...
+
+    def stop_requested(self) -> bool: ...
+
+
+@dataclass
+class LocalContext:
+    """A context with no queue behind it: no progress reporting, never stopped."""
+
+    job_id: str
+    queue_wait_s: float = 0.0
+
+    def progress(self, phase: str, step: int, steps: int) -> None:
+        return None
+
+    def stop_requested(self) -> bool:
+        return False
+
+
+class JobStopped(Exception):
+    """A cancel was honoured at a step boundary; the job ends as stopped and is not retried."""
+
+
+class OutOfMemory(RuntimeError):
+    """The ladder ran out of rungs or retries; the message names model and rung."""
+
+
+class Renderer:
+    """Owns the device, the resident pipelines and the ladder's memory for one worker process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manifests: dict[str, Manifest],
+        info: DeviceInfo | None = None,
+        worker_name: str = "local",
+    ) -> None:
+        self.settings = settings
+        self.manifests = manifests
+        self.info = info or dev.probe(settings)
+        self.worker_name = worker_name
+        self.cache = PipelineCache(self.info)
+        self.rungs = RungMemory()
+        self.faults = FaultPlan.parse(settings.faults)
+        self.last_record: TimingRecord | None = None
+
+    def render(self, payload: Any, ctx: JobContext) -> RenderResult:
+        watch = Stopwatch(lambda: dev.synchronize(self.info))
+        started_at = datetime.now(timezone.utc)
+        record = TimingRecord(job_id=ctx.job_id, worker=self.worker_name, device=self.info.torch_device)
+        try:
+            # 1. Validate against the manifest: never trust the queue.
+            request = self.validate(payload)
+            record.model = request.model
+            record.steps, record.width, record.height = request.steps, request.width, request.height
+            record.num_images = request.num_images
+            # 2. A job whose files were completed before a crash is answered from disk.
+            done = output.finished_result(self.settings.output_dir, ctx.job_id)
+            if done is not None:
+                record.status, record.cold, record.rung = "done", False, done.rung
+                return done
+            # 3. Generate on the ladder: rung choice, load, encode/denoise/decode, OOM descent.
+            images, loaded = self._render_on_ladder(request, ctx, watch, record)
+            # 4. Encode and save; result.json last, as the mark of a complete job.
+            with watch.phase("image_encode"):
+                encoded = [output.encode_image(image, request.output_format) for image in images]
+            with watch.phase("save"):
+                files = output.save_images(self.settings.output_dir, ctx.job_id, encoded)
+            result = self._result(request, ctx, loaded, record, files, watch, started_at)
+            output.write_result(self.settings.output_dir, result)
+            record.status = "done"
+            return result
+        except JobStopped as exc:
+            record.status, record.error = "stopped", str(exc)
+            raise
+        except Exception as exc:
+            record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            record.timings = watch.timings(ctx.queue_wait_s)
+            self.last_record = record
+            emit(record, self.settings.timings_log)
+
+    def validate(self, payload: Any) -> RenderRequest:
+        request = RenderRequest.parse(payload)
+        return resolve_request(request, check_servable(request, self.manifests))
+
+    # -- the ladder -----------------------------------------------------------------------------
+
+    def _render_on_ladder(
+        self, request: RenderRequest, ctx: JobContext, watch: Stopwatch, record: TimingRecord
+    ) -> tuple[list[Image.Image], LoadedPipeline]:
+        manifest = self.manifests[request.model]
+        choice = self._choose_rung(manifest, request)
+        record.rung_reason = choice.reason
+        loaded = self._ensure_loaded(manifest, choice.rung, watch, record)
+        retried = descended = False
+        while True:
+            record.rung, record.dtype, record.compiled = loaded.rung, loaded.dtype_name, loaded.compiled
+            record.settings, record.quantized = loaded.settings, loaded.quantized
+            failure: str | None = None
+            try:
+                images = self._generate(loaded, request, ctx, watch, record)
+            except torch.OutOfMemoryError as exc:
+                failure = str(exc).splitlines()[0][:300] if str(exc) else "out of memory"
+            if failure is None:
+                record.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
+                self.rungs.remember(manifest.id, request.width or 0, request.height or 0, loaded.rung)
+                return images, loaded
+            record.attempts.append(Attempt(rung=loaded.rung, outcome="oom", phase=watch.current, detail=failure))
+            # Outside the except block: the exception and its frames are gone, so memory can be freed.
+            with watch.phase("load"):
+                self._reclaim(keep=manifest.id)
+            if not retried:
+                retried = True
+                continue
+            lower = lower_rung(loaded.rung)
+            if self.pinned or descended or lower is None:
+                raise OutOfMemory(self._oom_message(manifest, loaded.rung, "generating"))
+            descended = True
+            with watch.phase("load"):
+                self.cache.evict(manifest.id)
+            loaded = self._ensure_loaded(manifest, lower, watch, record)
+
+    @property
+    def pinned(self) -> bool:
+        return self.settings.memory_mode != "auto"
+
+    def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
+        mode = self.settings.memory_mode
+        if mode == "auto":
+            remembered = self.rungs.get(manifest.id, request.width or 0, request.height or 0)
+            if remembered is not None:
+                return RungChoice(remembered, "remembered: worked last time for this model and size")
+            resident = self.cache.get(manifest.id)
+            if resident is not None:
+                return RungChoice(resident.rung, "already resident")
+        usable = self.usable_gb(exclude=manifest.id)
+        return pick_rung(manifest, usable, mode)
+
+    def usable_gb(self, exclude: str | None = None) -> float:
+        """Free memory now plus what evicting other resident pipelines would free."""
+        return usable_gb(
+            free_bytes=dev.free_bytes(self.info),
+            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude),
+            reserve_gb=self.settings.vram_reserve_gb,
+            budget_gb=self.settings.vram_budget_gb,
+            in_use_bytes=self.cache.resident_bytes(),
+        )
+
+    def _ensure_loaded(
+        self, manifest: Manifest, rung: Rung, watch: Stopwatch, record: TimingRecord
+    ) -> LoadedPipeline:
+        """The resident pipeline at this rung, else load it; OOM while loading descends (auto)."""
+        resident = self.cache.get(manifest.id)
+        if resident is not None and resident.rung == rung:
+            return resident
+        record.cold = True
+        retried = False
+        while True:
+            failure: str | None = None
+            with watch.phase("load"):
+                if resident is not None:
+                    self.cache.evict(manifest.id)
+                    resident = None
+                self._make_room(manifest, rung)
+                try:
+                    loaded = load_pipeline(manifest, rung, self.info, self.settings, self.faults)
+                except torch.OutOfMemoryError as exc:
+                    failure = str(exc).splitlines()[0][:300] if str(exc) else "out of memory"
+            if failure is None:
+                self.cache.put(loaded)
+                return loaded
+            record.attempts.append(Attempt(rung=rung, outcome="oom", phase="load", detail=failure))
+            with watch.phase("load"):
+                self._reclaim(keep=None)
+            if self.pinned:
+                if retried:
+                    raise OutOfMemory(self._oom_message(manifest, rung, "loading"))
+                retried = True
+                continue
+            lower = lower_rung(rung)
+            if lower is None:
+                raise OutOfMemory(self._oom_message(manifest, rung, "loading"))
+            rung = lower
+
+    def _make_room(self, manifest: Manifest, rung: Rung) -> None:
+        """Evict least recently used pipelines until this rung's estimate fits."""
+        need = int(rung_need_gb(manifest, rung) * GB)
+        free = int(self.usable_gb(exclude=None) * GB)
+        evicted = self.cache.evict_lru_until(need, free, keep=manifest.id)
+        if evicted:
+            log.info("evicted %s to make room for %s at %s", evicted, manifest.id, rung)
+
+    def _reclaim(self, keep: str | None) -> None:
+        """After an OOM: collect garbage, empty the allocator cache, evict every other pipeline."""
+        self.cache.evict_others(keep=keep)
+        release_memory(self.info)
+
+    def _oom_message(self, manifest: Manifest, rung: Rung, when: str) -> str:
+        how = f"pinned by KILN_MEMORY_MODE={self.settings.memory_mode}" if self.pinned else "lowest rung tried"
+        return f"model {manifest.id} ran out of memory while {when} at rung {rung} ({how}); no retries left"
+
+    # -- one attempt ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _generate(
+        self,
+        loaded: LoadedPipeline,
+        request: RenderRequest,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+    ) -> list[Image.Image]:
+        pipe, rung = loaded.pipe, loaded.rung
+        family = family_of(loaded.manifest.family)
+        steps, guidance = int(request.steps or 1), float(request.guidance or 0.0)
+        count, seed = request.num_images, int(request.seed or 0)
+        shape = (request.width or 0, request.height or 0, count)
+        record.cold = record.cold or shape not in loaded.warm_shapes
+        # Generators live on the CPU so a seed gives the same image on every device.
+        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)]
+        dev.reset_peak(self.info)
+
+        # 1. Text encode
+        with watch.phase("text_encode"):
+            ctx.progress("text_encode", 0, steps)
+            self.faults.check("text_encode", rung)
+            embeds = family.encode(pipe, request.prompt, request.negative_prompt, count, guidance > 1.0)
+
+        # 2. Denoise to latents; the step callback reports progress and honours a stop request.
+        def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            ctx.progress("denoise", step + 1, steps)
+            if ctx.stop_requested():
+                raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
+            return tensors
+
+        with watch.phase("denoise"):
+            ctx.progress("denoise", 0, steps)
+            self.faults.check("denoise", rung)
+            latents = pipe(
+                **embeds,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                width=request.width,
+                height=request.height,
+                generator=generators,
+                output_type="latent",
+                callback_on_step_end=on_step,
+            ).images
+
+        # 3. Decode latents to pixels
+        with watch.phase("decode"):
+            ctx.progress("decode", steps, steps)
+            self.faults.check("decode", rung)
+            images = family.decode(pipe, latents)
+        loaded.warm_shapes.add(shape)
+        record.peak_memory_bytes = dev.peak_bytes(self.info)
+        record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
+        return images
+
+    def _result(
+        self,
+        request: RenderRequest,
+        ctx: JobContext,
+        loaded: LoadedPipeline,
+        record: TimingRecord,
+        files: list[Any],
+        watch: Stopwatch,
+        started_at: datetime,
+    ) -> RenderResult:
+        return RenderResult(
+            job_id=ctx.job_id,
+            model=request.model,
+            images=files,
+            seed=int(request.seed or 0),
+            steps=int(request.steps or 0),
+            guidance=float(request.guidance or 0.0),
+            width=int(request.width or 0),
+            height=int(request.height or 0),
+            rung=loaded.rung,
+            device=self.info.torch_device,
+            dtype=loaded.dtype_name,
+            compiled=loaded.compiled,
+            quantized=dict(loaded.quantized),
+            attempts=list(record.attempts),
+            settings=loaded.settings,
+            timings=watch.timings(ctx.queue_wait_s),
+            worker=self.worker_name,
+            started_at=started_at,
+            finished_at=datetime.now(timezone.utc),
+        )
