@@ -47,14 +47,14 @@ def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False, poll: 
 
 
 def print_result(result: RenderResult) -> None:
-    out = Console()
+    out = wide_console()
     out.print(f"[bold green]done[/] {result.job_id}  {result.model}  seed {result.seed}  "
               f"{result.steps} steps  guidance {result.guidance}  {result.width}x{result.height}")
     for image in result.images:
         out.print(f"  {image.path}  sha256 {image.sha256[:16]}")
     out.print(f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
               f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}")
-    table = Table(*[p for p in PHASES], title="timings (s)")
+    table = Table(*[phase_header(p) for p in PHASES], title="timings (s)")
     table.add_row(*[f"{getattr(result.timings, p):.3f}" for p in PHASES])
     out.print(table)
 
@@ -73,17 +73,32 @@ def print_models(infos: list[ModelInfo]) -> None:
             ", ".join(info.resident_on) or "-",
             f"{eta:.2f} s" if eta is not None else "not measured",
         )
-    Console().print(table)
+    wide_console().print(table)
+
+
+SHORT = {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}
+
+
+def phase_header(phase: str) -> str:
+    return SHORT.get(phase, phase)
+
+
+def wide_console(stderr: bool = False) -> Console:
+    """Tables of eight phases need more than 80 columns; pipes and CI get a fixed wide page."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=200)
 
 
 def phase_table(records: list[Any], title: str) -> Table:
-    table = Table("job", "model", "size", "steps", "rung", "cold", "status", *PHASES, title=title)
+    table = Table("job", "model", "size", "steps", "n", "rung", "cold", "status",
+                  *[phase_header(p) for p in PHASES], title=title)
     for r in records:
         table.add_row(
             r.job_id[:8],
             r.model or "?",
             f"{r.width}x{r.height}" if r.width else "-",
             str(r.steps or "-"),
+            str(r.num_images or "-"),
             r.rung or "-",
             "yes" if r.cold else "",
             r.status,

@@ -8,11 +8,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from api_client.schema import PHASES
-from worker.display import phase_table
+from worker.display import phase_header, phase_table, wide_console
 from worker.timings import TimingRecord, read_records
 
 
@@ -72,7 +71,8 @@ def summarize(records: list[TimingRecord], window: int = 10) -> list[ModelSummar
 
 
 def summary_table(summaries: list[ModelSummary]) -> Table:
-    table = Table("model", "warm jobs", "cold", "failed", *PHASES, "drift", title="median / p90 seconds (cold excluded)")
+    table = Table("model", "warm", "cold", "failed", *[phase_header(p) for p in PHASES], "drift",
+                  title="median / p90 seconds per phase (cold jobs excluded)")
     for s in summaries:
         cells = [
             f"{s.phases[p].median:.3f} / {s.phases[p].p90:.3f}" if s.phases else "-" for p in PHASES
@@ -119,7 +119,7 @@ def write_chart(summaries: list[ModelSummary], path: Path) -> None:
 
 
 def run_report(log: Path, csv: Path | None = None, chart: Path | None = None, last: int | None = None) -> int:
-    console = Console()
+    console = wide_console()
     if not log.is_file():
         console.print(f"kiln timings: no timings log at {log}")
         return 1

