@@ -68,6 +68,24 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--model", help="also load this model and print its switch report")
     doctor.set_defaults(handler=_doctor)
 
+    bench = verbs.add_parser("bench", help="a prompt suite over a matrix of models/steps/sizes/settings")
+    bench.add_argument("--suite", type=Path, default=Path("bench/suites/prompts-8.json"))
+    bench.add_argument("--matrix", type=Path, default=Path("bench/matrices/tiny-steps.json"))
+    bench.add_argument("--through-queue", action="store_true", help="submit through Redis to running workers")
+    bench.add_argument("--out", type=Path, help="results directory (default bench/results/<time>)")
+    bench.set_defaults(handler=_bench)
+
+    profile = verbs.add_parser("profile", help="torch.profiler table and chrome trace of one render")
+    profile.add_argument("--model", required=True)
+    profile.add_argument("--prompt", default="a red fox in fresh snow, golden hour")
+    profile.add_argument("--steps", type=int)
+    profile.add_argument("--width", type=int)
+    profile.add_argument("--height", type=int)
+    profile.add_argument("--seed", type=int, default=0)
+    profile.add_argument("--warmup", type=int, default=1, help="unprofiled renders first (load, compile)")
+    profile.add_argument("--trace", type=Path, help="write a chrome trace here")
+    profile.set_defaults(handler=_profile)
+
     tiny = verbs.add_parser("tiny-models", help="build the tiny random-weight pipelines")
     tiny.add_argument("dir", nargs="?", type=Path, help="default: KILN_MODELS_DIR")
     tiny.add_argument("--force", action="store_true", help="rebuild even if present")
@@ -204,6 +222,27 @@ def _doctor(args: argparse.Namespace) -> int:
     from worker.doctor import run_doctor
 
     return run_doctor(_settings(), model=args.model)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from worker import logs
+    from worker.bench import run_bench
+
+    settings = _settings()
+    logs.configure("json", quiet=True)
+    return run_bench(settings, args.suite, args.matrix, args.out, args.through_queue)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from worker import logs
+    from worker.profile import run_profile
+
+    request: dict[str, Any] = {"model": args.model, "prompt": args.prompt, "seed": args.seed}
+    for field in ("steps", "width", "height"):
+        if getattr(args, field) is not None:
+            request[field] = getattr(args, field)
+    logs.configure("json", quiet=True)
+    return run_profile(_settings(), request, args.trace, warmup=args.warmup)
 
 
 def _tiny_models(args: argparse.Namespace) -> int:

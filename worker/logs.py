@@ -8,7 +8,9 @@ import sys
 import structlog
 
 
-def configure(log_format: str = "json", level: int = logging.INFO) -> None:
+def configure(log_format: str = "json", level: int = logging.INFO, quiet: bool = False) -> None:
+    """quiet: drop kiln's per-job JSON lines from stdout (bench and profile print tables instead;
+    the records still go to the timings log)."""
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if log_format == "json"
@@ -21,6 +23,7 @@ def configure(log_format: str = "json", level: int = logging.INFO) -> None:
             renderer,
         ],
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING if quiet else logging.INFO),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(

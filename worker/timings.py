@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -22,8 +22,13 @@ class Stopwatch:
     """Adds wall time to named phases; sync() runs at each boundary so GPU work is charged to
     the phase that queued it, not the next one."""
 
-    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        sync: Callable[[], None] = lambda: None,
+        scope: Callable[[str], AbstractContextManager[Any]] | None = None,
+    ) -> None:
         self.sync = sync
+        self.scope = scope  # e.g. torch.profiler.record_function, so traces show kiln's phases
         self.seconds: dict[str, float] = {}
         self.current: str | None = None
         self.started = time.perf_counter()
@@ -34,7 +39,8 @@ class Stopwatch:
         self.current = name
         ok = False
         try:
-            yield
+            with self.scope(f"kiln.{name}") if self.scope else nullcontext():
+                yield
             ok = True
         finally:
             if ok:
@@ -69,6 +75,7 @@ class TimingRecord(BaseModel):
     device: str | None = None
     dtype: str | None = None
     compiled: bool = False
+    recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
     settings: SettingsReport = Field(default_factory=SettingsReport)

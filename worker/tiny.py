@@ -83,7 +83,7 @@ def build_tiny_models(
         name = f"tiny-{family}"
         target = out_dir / name
         if force or not is_current(target):
-            _build_into(target, family)
+            _build_into(target, family, force=force)
         built[name] = target
     return built
 
@@ -100,7 +100,7 @@ def is_current(path: Path) -> bool:
     return bool(version == BUILDER_VERSION)
 
 
-def _build_into(target: Path, family: str) -> None:
+def _build_into(target: Path, family: str, *, force: bool) -> None:
     # Build beside the target and rename, so readers never see a half-written pipeline.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
@@ -109,7 +109,9 @@ def _build_into(target: Path, family: str) -> None:
             pipe.save_pretrained(tmp, safe_serialization=True)
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
-        _swap_into_place(tmp, target)
+        # A concurrent builder may have finished first; keep its copy so readers are not cut off.
+        if force or not is_current(target):
+            _swap_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
