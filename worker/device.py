@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,20 +53,22 @@ def probe(settings: Settings) -> DeviceInfo:
         if not torch.cuda.is_available():
             raise RuntimeError("KILN_DEVICE=cuda but torch sees no CUDA device")
         index = torch.device(device).index or 0
-        free, total = torch.cuda.mem_get_info(index)
+        _free, total = torch.cuda.mem_get_info(index)
         props = torch.cuda.get_device_properties(index)
         return DeviceInfo(
             backend="rocm" if torch.version.hip is not None else "cuda",
             torch_device=device,
             name=props.name,
             total_bytes=total,
-            free_bytes=free,
+            free_bytes=_cuda_free_bytes(device),
             bf16=torch.cuda.is_bf16_supported(),
             fp16=True,
         )
     if device == "mps":
+        # MPS shares host memory; bf16 arrived with macOS 14.
+        bf16 = bool(torch.backends.mps.is_macos_or_newer(14, 0))
         total = _host_total_bytes()
-        return DeviceInfo("mps", "mps", "Apple MPS", total, _host_available_bytes(), bf16=True, fp16=True)
+        return DeviceInfo("mps", "mps", "Apple MPS", total, _host_available_bytes(), bf16=bf16, fp16=True)
     return DeviceInfo(
         "cpu", "cpu", _cpu_name(), _host_total_bytes(), _host_available_bytes(), bf16=False, fp16=False
     )
@@ -72,15 +77,20 @@ def probe(settings: Settings) -> DeviceInfo:
 def free_bytes(info: DeviceInfo) -> int:
     """Free memory now: on CUDA, mem_get_info plus what torch holds reserved but not allocated."""
     if info.torch_device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(info.torch_device)
-        reserved_idle = torch.cuda.memory_reserved(info.torch_device) - torch.cuda.memory_allocated(
-            info.torch_device
-        )
-        return int(free + max(reserved_idle, 0))
+        return _cuda_free_bytes(info.torch_device)
     return _host_available_bytes()
 
 
+def _cuda_free_bytes(device: str) -> int:
+    # Blocks torch's caching allocator holds but no tensor uses are free to kiln, though the
+    # driver counts them as taken.
+    free, _total = torch.cuda.mem_get_info(device)
+    reserved_idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(reserved_idle, 0))
+
+
 def allocated_bytes(info: DeviceInfo) -> int:
+    """Device memory this process holds in tensors; on CPU, torch keeps no count, so resident set size."""
     if info.torch_device.startswith("cuda"):
         return int(torch.cuda.memory_allocated(info.torch_device))
     if info.backend == "mps":
@@ -113,6 +123,34 @@ def empty_cache(info: DeviceInfo) -> None:
         torch.cuda.empty_cache()
     elif info.backend == "mps":
         torch.mps.empty_cache()
+    else:
+        _trim_host_heap()
+
+
+def sdpa_backends(info: DeviceInfo) -> dict[str, bool]:
+    """Which fused attention kernels torch may pick for scaled_dot_product_attention here."""
+    if not info.torch_device.startswith("cuda"):
+        return {"math": True}
+    return {
+        "flash": bool(torch.backends.cuda.flash_sdp_enabled()),
+        "mem_efficient": bool(torch.backends.cuda.mem_efficient_sdp_enabled()),
+        "cudnn": bool(torch.backends.cuda.cudnn_sdp_enabled()),
+        "math": bool(torch.backends.cuda.math_sdp_enabled()),
+    }
+
+
+def _trim_host_heap() -> None:
+    # glibc keeps freed small blocks in its arenas, so without a trim an evicted CPU pipeline
+    # would still count against the process's resident size and free memory would look lower.
+    if not sys.platform.startswith("linux"):
+        return
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 def _meminfo() -> dict[str, int]:

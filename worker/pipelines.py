@@ -44,6 +44,7 @@ class LoadedPipeline:
     load_s: float = 0.0
     device_bytes: int = 0  # device memory this pipeline took at load (allocated after - before)
     warm_shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (w, h, batch) seen
+    recompiles: int = 0  # graphs Dynamo built for this pipeline after its first job
 
     @property
     def dtype_name(self) -> str:
@@ -196,8 +197,12 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
         why = "switched off" if tiling == "off" else "auto: fully resident, decode fits"
         report.add("skipped", "vae_tiling", why)
 
+    # Not built: a preview needs TAESD weights per latent space (a hub download this worker may
+    # not make) and a channel to the client, which carries {phase, step, steps} only.
     preview = _switch(loaded, settings, "taesd_preview")
-    reason = "switched off" if preview == "off" else "no TAESD weights configured for this model"
+    reason = "switched off" if preview == "off" else (
+        "not available: no TAESD weights in the manifest and no preview channel in job progress"
+    )
     report.add("skipped", "taesd_preview", reason)
 
 
@@ -224,29 +229,70 @@ def _compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> No
     manifest, report = loaded.manifest, loaded.settings
     policy = manifest.compile
     switch = manifest.optimizations.get("compile", settings.compile)
-    if policy == "off" or switch == "off":
-        report.add("skipped", "compile", "switched off" + (" by the manifest" if policy == "off" else ""))
+    required = policy == "required" and loaded.rung == "full"
+    if policy == "off":
+        report.add("skipped", "compile", "switched off by the manifest (compile: off)")
         return
     if loaded.rung != "full":
-        if policy == "required":
-            report.add("skipped", "compile", f"required, but not possible at rung {loaded.rung}")
-        else:
-            report.add("skipped", "compile", f"not fully resident (rung {loaded.rung})")
+        why = "required, but" if policy == "required" else "skipped:"
+        report.add("skipped", "compile", f"{why} offload hooks and Inductor conflict at rung {loaded.rung}")
         return
-    if switch == "auto" and policy != "required" and not info.accelerator:
+    if switch == "off" and required:
+        raise CompileRequired(
+            f"model {manifest.id}: compile is required when fully resident, but the compile switch is off"
+        )
+    if switch == "off":
+        report.add("skipped", "compile", "switched off")
+        return
+    if switch == "auto" and not required and not info.accelerator:
         report.add("skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
         return
-    from worker.compile import compile_denoiser
+    from worker.compile import compile_available, compile_denoiser
 
+    unavailable = compile_available()
     try:
+        if unavailable is not None:
+            raise RuntimeError(unavailable)
         how = compile_denoiser(loaded, settings)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure is reported or fatal by policy
-        if policy == "required":
+    except Exception as exc:
+        if required:
             raise CompileRequired(f"model {manifest.id}: compile is required and failed: {exc}") from exc
         report.add("fell_back", "compile", f"eager: torch.compile failed: {type(exc).__name__}: {exc}")
         return
     loaded.compiled = True
     report.add("applied", "compile", how)
+
+
+def compile_fell_back(loaded: LoadedPipeline, exc: BaseException) -> bool:
+    """Graphs are built lazily at the first forward; when that fails, go eager if policy allows."""
+    from worker.compile import is_compile_failure, uncompile_denoiser
+
+    if not loaded.compiled or not is_compile_failure(exc):
+        return False
+    if loaded.manifest.compile == "required":
+        raise CompileRequired(
+            f"model {loaded.manifest.id}: compile is required and failed at the first forward: {exc}"
+        ) from exc
+    uncompile_denoiser(loaded)
+    loaded.compiled = False
+    loaded.settings.applied = [n for n in loaded.settings.applied if n.name != "compile"]
+    first_line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    loaded.settings.add("fell_back", "compile", f"eager: first compiled forward failed: {first_line}")
+    return True
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One pipeline dropped from the cache, with the device memory measured around it."""
+
+    model_id: str
+    rung: Rung
+    allocated_before: int
+    allocated_after: int
+
+    @property
+    def freed_bytes(self) -> int:
+        return max(self.allocated_before - self.allocated_after, 0)
 
 
 class PipelineCache:
@@ -255,6 +301,7 @@ class PipelineCache:
     def __init__(self, info: DeviceInfo) -> None:
         self.info = info
         self._resident: OrderedDict[str, LoadedPipeline] = OrderedDict()
+        self.evictions: list[Eviction] = []  # every eviction this process made, oldest first
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self._resident
@@ -275,16 +322,24 @@ class PipelineCache:
     def resident_bytes(self, exclude: str | None = None) -> int:
         return sum(p.device_bytes for k, p in self._resident.items() if k != exclude)
 
-    def evict(self, model_id: str) -> int:
-        """Drop one pipeline and release its device memory; returns allocated bytes freed."""
+    def evict(self, model_id: str) -> Eviction | None:
+        """Drop one pipeline and release its device memory, measuring allocated bytes around it."""
         loaded = self._resident.pop(model_id, None)
         if loaded is None:
-            return 0
+            return None
+        release_memory(self.info)
         before = dev.allocated_bytes(self.info)
+        rung = loaded.rung
         _release(loaded)
         del loaded
         release_memory(self.info)
-        return max(before - dev.allocated_bytes(self.info), 0)
+        eviction = Eviction(model_id, rung, before, dev.allocated_bytes(self.info))
+        self.evictions.append(eviction)
+        log.info(
+            "evicted %s (%s): allocated %d -> %d bytes, freed %d",
+            model_id, rung, eviction.allocated_before, eviction.allocated_after, eviction.freed_bytes,
+        )
+        return eviction
 
     def evict_others(self, keep: str | None) -> list[str]:
         evicted = [model_id for model_id in list(self._resident) if model_id != keep]
@@ -307,15 +362,34 @@ class PipelineCache:
 
 
 def _release(loaded: LoadedPipeline) -> None:
-    """Offload hooks hold references to modules; remove them so the weights can be freed."""
+    """Drop every reference kiln holds to the weights so the allocator can take them back.
+
+    Offload hooks reference their modules (accelerate's hooks and diffusers' group-offload
+    registries), so they come off first; the pipeline is not copied back to the host, which
+    would cost a full transfer and host memory just to throw the weights away.
+    """
     pipe = loaded.pipe
+    loaded.pipe = None
+    if pipe is None:
+        return
     try:
         pipe.remove_all_hooks()
-    except Exception:  # noqa: BLE001 - best effort: not every pipeline has hooks to remove
+    except Exception:
         log.debug("remove_all_hooks failed", exc_info=True)
-    if loaded.rung == "full" and torch.device(pipe.device).type != "cpu":
-        pipe.to("cpu")
-    loaded.pipe = None
+    for component in list(pipe.components.values()):
+        if isinstance(component, torch.nn.Module):
+            _remove_group_offload(component)
+    del pipe
+
+
+def _remove_group_offload(module: torch.nn.Module) -> None:
+    from diffusers.hooks import HookRegistry
+
+    for sub in module.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            for name in list(registry.hooks):
+                registry.remove_hook(name, recurse=False)
 
 
 def release_memory(info: DeviceInfo) -> None:

@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch
 
 from worker.device import DeviceInfo
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version if it imports, else None."""
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return str(getattr(torchao, "__version__", None) or importlib.metadata.version("torchao"))
+
+
+def weight_summary(module: torch.nn.Module) -> tuple[set[str], int]:
+    """Linear weight tensor types in module, and the bytes its parameters hold (quantized too)."""
+    kinds: set[str] = set()
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear):
+            kinds.add(type(sub.weight).__name__)
+    return kinds, sum(_tensor_bytes(p) for p in module.parameters())
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    # A torchao weight is a wrapper subclass; its storage lives in the inner tensors it flattens to.
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return tensor.numel() * tensor.element_size()
+    names, _ctx = flatten()
+    return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
 
 
 def unsupported_reason(scheme: str, info: DeviceInfo) -> str | None:
@@ -43,6 +72,6 @@ def quantize_component(module: torch.nn.Module, scheme: str, info: DeviceInfo) -
     }
     try:
         quantize_(module, configs[scheme]())
-    except Exception as exc:  # noqa: BLE001 - a scheme torchao refuses is reported, not fatal
+    except Exception as exc:  # a scheme torchao refuses is reported, not fatal
         return f"torchao refused {scheme}: {type(exc).__name__}: {exc}"
     return None

@@ -15,11 +15,29 @@ from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult
 from worker import device as dev
 from worker import output
+from worker.compile import graphs_compiled
 from worker.device import DeviceInfo
 from worker.families import family_of
 from worker.faults import FaultPlan
-from worker.ladder import GB, Rung, RungChoice, RungMemory, lower_rung, pick_rung, rung_need_gb, usable_gb
-from worker.pipelines import LoadedPipeline, PipelineCache, load_pipeline, release_memory
+from worker.ladder import (
+    GB,
+    Rung,
+    RungChoice,
+    RungMemory,
+    is_oom,
+    lower_rung,
+    oom_detail,
+    pick_rung,
+    rung_need_gb,
+    usable_gb,
+)
+from worker.pipelines import (
+    LoadedPipeline,
+    PipelineCache,
+    compile_fell_back,
+    load_pipeline,
+    release_memory,
+)
 from worker.settings import Settings
 from worker.timings import Stopwatch, TimingRecord, emit
 
@@ -77,9 +95,11 @@ class Renderer:
         self.rungs = RungMemory()
         self.faults = FaultPlan.parse(settings.faults)
         self.last_record: TimingRecord | None = None
+        self.profiling = False  # label phases for torch.profiler (`kiln profile`)
 
     def render(self, payload: Any, ctx: JobContext) -> RenderResult:
-        watch = Stopwatch(lambda: dev.synchronize(self.info))
+        scope = torch.profiler.record_function if self.profiling else None
+        watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
         started_at = datetime.now(timezone.utc)
         record = TimingRecord(job_id=ctx.job_id, worker=self.worker_name, device=self.info.torch_device)
         try:
@@ -130,19 +150,35 @@ class Renderer:
         loaded = self._ensure_loaded(manifest, choice.rung, watch, record)
         retried = descended = False
         while True:
-            record.rung, record.dtype, record.compiled = loaded.rung, loaded.dtype_name, loaded.compiled
+            record.rung, record.dtype = loaded.rung, loaded.dtype_name
+            record.compiled = loaded.compiled
             record.settings, record.quantized = loaded.settings, loaded.quantized
+            ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             failure: str | None = None
             try:
                 images = self._generate(loaded, request, ctx, watch, record)
-            except torch.OutOfMemoryError as exc:
-                failure = str(exc).splitlines()[0][:300] if str(exc) else "out of memory"
+            except Exception as exc:
+                if compile_fell_back(loaded, exc):
+                    note = "torch.compile failed at the first forward; retrying eager"
+                    record.attempts.append(
+                        Attempt(rung=loaded.rung, outcome="error", phase=watch.current, detail=note)
+                    )
+                    continue
+                if not is_oom(exc):
+                    raise
+                failure = oom_detail(exc)
             if failure is None:
+                if loaded.compiled and ran_before:
+                    loaded.recompiles += graphs_compiled() - graphs_before
+                record.recompiles = loaded.recompiles
                 record.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
-                self.rungs.remember(manifest.id, request.width or 0, request.height or 0, loaded.rung)
+                size = (request.width or 0, request.height or 0)
+                self.rungs.remember(manifest.id, *size, loaded.rung)
                 return images, loaded
-            record.attempts.append(Attempt(rung=loaded.rung, outcome="oom", phase=watch.current, detail=failure))
-            # Outside the except block: the exception and its frames are gone, so memory can be freed.
+            record.attempts.append(
+                Attempt(rung=loaded.rung, outcome="oom", phase=watch.current, detail=failure)
+            )
+            # Outside the except block: the exception and its frames are gone, so memory frees.
             with watch.phase("load"):
                 self._reclaim(keep=manifest.id)
             if not retried:
@@ -150,7 +186,7 @@ class Renderer:
                 continue
             lower = lower_rung(loaded.rung)
             if self.pinned or descended or lower is None:
-                raise OutOfMemory(self._oom_message(manifest, loaded.rung, "generating"))
+                raise OutOfMemory(self._oom_message(manifest, loaded.rung, "generating", record))
             descended = True
             with watch.phase("load"):
                 self.cache.evict(manifest.id)
@@ -165,18 +201,17 @@ class Renderer:
         if mode == "auto":
             remembered = self.rungs.get(manifest.id, request.width or 0, request.height or 0)
             if remembered is not None:
-                return RungChoice(remembered, "remembered: worked last time for this model and size")
+                return RungChoice(remembered, "remembered: worked last time at this model and size")
             resident = self.cache.get(manifest.id)
             if resident is not None:
                 return RungChoice(resident.rung, "already resident")
-        usable = self.usable_gb(exclude=manifest.id)
-        return pick_rung(manifest, usable, mode)
+        return pick_rung(manifest, self.usable_gb(exclude=manifest.id), mode)
 
-    def usable_gb(self, exclude: str | None = None) -> float:
-        """Free memory now plus what evicting other resident pipelines would free."""
+    def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
+        """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
         return usable_gb(
             free_bytes=dev.free_bytes(self.info),
-            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude),
+            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
             reserve_gb=self.settings.vram_reserve_gb,
             budget_gb=self.settings.vram_budget_gb,
             in_use_bytes=self.cache.resident_bytes(),
@@ -200,29 +235,32 @@ class Renderer:
                 self._make_room(manifest, rung)
                 try:
                     loaded = load_pipeline(manifest, rung, self.info, self.settings, self.faults)
-                except torch.OutOfMemoryError as exc:
-                    failure = str(exc).splitlines()[0][:300] if str(exc) else "out of memory"
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    failure = oom_detail(exc)
             if failure is None:
                 self.cache.put(loaded)
                 return loaded
             record.attempts.append(Attempt(rung=rung, outcome="oom", phase="load", detail=failure))
+            # The half-built pipeline died with the exception; collect it and free every other.
             with watch.phase("load"):
                 self._reclaim(keep=None)
             if self.pinned:
                 if retried:
-                    raise OutOfMemory(self._oom_message(manifest, rung, "loading"))
+                    raise OutOfMemory(self._oom_message(manifest, rung, "loading", record))
                 retried = True
                 continue
             lower = lower_rung(rung)
             if lower is None:
-                raise OutOfMemory(self._oom_message(manifest, rung, "loading"))
+                raise OutOfMemory(self._oom_message(manifest, rung, "loading", record))
             rung = lower
 
     def _make_room(self, manifest: Manifest, rung: Rung) -> None:
         """Evict least recently used pipelines until this rung's estimate fits."""
         need = int(rung_need_gb(manifest, rung) * GB)
-        free = int(self.usable_gb(exclude=None) * GB)
-        evicted = self.cache.evict_lru_until(need, free, keep=manifest.id)
+        free_now = int(self.usable_gb(reclaim=False) * GB)
+        evicted = self.cache.evict_lru_until(need, free_now, keep=manifest.id)
         if evicted:
             log.info("evicted %s to make room for %s at %s", evicted, manifest.id, rung)
 
@@ -231,9 +269,16 @@ class Renderer:
         self.cache.evict_others(keep=keep)
         release_memory(self.info)
 
-    def _oom_message(self, manifest: Manifest, rung: Rung, when: str) -> str:
-        how = f"pinned by KILN_MEMORY_MODE={self.settings.memory_mode}" if self.pinned else "lowest rung tried"
-        return f"model {manifest.id} ran out of memory while {when} at rung {rung} ({how}); no retries left"
+    def _oom_message(self, manifest: Manifest, rung: Rung, when: str, record: TimingRecord) -> str:
+        if self.pinned:
+            how = f"pinned by KILN_MEMORY_MODE={self.settings.memory_mode}"
+        else:
+            how = "no lower rung left" if lower_rung(rung) is None else "descended once already"
+        tried = ", ".join(f"{a.rung}:{a.outcome}@{a.phase or '-'}" for a in record.attempts)
+        return (
+            f"model {manifest.id} ran out of memory while {when} at rung {rung} ({how}); "
+            f"no retries left; attempts: {tried}"
+        )
 
     # -- one attempt ------------------------------------------------------------------------------
 

@@ -1,0 +1,222 @@
+"""`kiln doctor`: what this machine offers kiln (device, memory, dtypes, attention, compile,
+torchao, Redis) and, for one model, the switch report of a real load."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+from dataclasses import dataclass, field
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from api_client.schema import SettingsReport
+from worker import device as dev
+from worker.compile import compile_available
+from worker.device import DeviceInfo
+from worker.faults import FaultPlan
+from worker.ladder import GB, Rung, is_oom, lower_rung, oom_detail, pick_rung, usable_gb
+from worker.pipelines import PipelineCache, load_pipeline
+from worker.quantize import torchao_version, unsupported_reason
+from worker.settings import Settings
+
+
+PACKAGES = ("torch", "diffusers", "transformers", "torchao", "accelerate", "rq")
+
+
+@dataclass
+class ModelCheck:
+    """One real load of a model: where it landed and what each switch did."""
+
+    model: str
+    rung: Rung | None = None
+    rung_reason: str = ""
+    dtype: str | None = None
+    load_s: float = 0.0
+    device_bytes: int = 0
+    attempts: list[str] = field(default_factory=list)
+    settings: SettingsReport = field(default_factory=SettingsReport)
+    error: str | None = None
+
+
+@dataclass
+class DoctorReport:
+    """Everything `kiln doctor` prints, as data so tests can read it."""
+
+    info: DeviceInfo
+    usable_gb: float
+    versions: dict[str, str]
+    rocm_aotriton: str | None
+    attention: dict[str, bool]
+    compile: str
+    torchao: dict[str, str]
+    redis: str
+    redis_ok: bool
+    model: ModelCheck | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.redis_ok and (self.model is None or self.model.error is None)
+
+
+def run_doctor(settings: Settings, model: str | None = None) -> int:
+    report = collect(settings, model)
+    print(format_report(report, settings))
+    return 0 if report.ok else 1
+
+
+def collect(settings: Settings, model: str | None = None) -> DoctorReport:
+    info = dev.probe(settings)
+    usable = usable_gb(info.free_bytes, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
+    redis_line, redis_ok = _redis(settings.redis_url)
+    return DoctorReport(
+        info=info,
+        usable_gb=usable,
+        versions={name: _version(name) for name in PACKAGES},
+        rocm_aotriton=_aotriton(info),
+        attention=dev.sdpa_backends(info),
+        compile=_compile_line(settings, info),
+        torchao=_torchao(info),
+        redis=redis_line,
+        redis_ok=redis_ok,
+        model=_check_model(settings, info, model) if model else None,
+    )
+
+
+def format_report(report: DoctorReport, settings: Settings) -> str:
+    info = report.info
+    lines = [
+        "device",
+        f"  backend       {info.backend} ({info.torch_device}): {info.name}",
+        f"  memory        {info.total_bytes / GB:.1f} GB total, {info.free_bytes / GB:.1f} GB free,"
+        f" {report.usable_gb:.1f} GB usable (reserve {settings.vram_reserve_gb} GB,"
+        f" budget {settings.vram_budget_gb or 'none'})",
+        f"  dtypes        bf16 {_yes(info.bf16)}, fp16 {_yes(info.fp16)};"
+        f" memory mode {settings.memory_mode}",
+        "  versions      " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
+    ]
+    if report.rocm_aotriton is not None:
+        flag = f"TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL={report.rocm_aotriton}"
+        lines.append(f"  rocm          {flag}")
+    kernels = ", ".join(f"{name} {_yes(on)}" for name, on in report.attention.items())
+    lines += [
+        f"  attention     sdpa kernels: {kernels}",
+        f"  compile       {report.compile}",
+        "  torchao       " + "; ".join(f"{k}: {v}" for k, v in report.torchao.items()),
+        f"  redis         {report.redis}",
+    ]
+    if report.model is not None:
+        lines += _model_lines(report.model)
+    return "\n".join(lines)
+
+
+def _model_lines(check: ModelCheck) -> list[str]:
+    lines = [f"model {check.model}"]
+    if check.attempts:
+        lines.append(f"  attempts      {', '.join(check.attempts)}")
+    if check.error is not None:
+        lines.append(f"  FAILED        {check.error}")
+        return lines
+    lines += [
+        f"  rung          {check.rung} ({check.rung_reason})",
+        f"  loaded        {check.dtype} in {check.load_s:.2f} s, {check.device_bytes / 1e6:.1f} MB",
+    ]
+    for kind in ("applied", "skipped", "fell_back"):
+        for note in getattr(check.settings, kind):
+            lines.append(f"  {kind:<13} {note.name}: {note.reason}")
+    return lines
+
+
+def _check_model(settings: Settings, info: DeviceInfo, model: str) -> ModelCheck:
+    """Load the model as a worker would (rung choice, load-time descent) and keep its report."""
+    from worker.manifest import ManifestsInvalid, load_manifests
+
+    check = ModelCheck(model=model)
+    try:
+        manifest = load_manifests(settings.manifests, [model])[model]
+    except (ManifestsInvalid, KeyError, ValueError) as exc:
+        check.error = f"no valid manifest: {exc}"
+        return check
+    reserve, budget = settings.vram_reserve_gb, settings.vram_budget_gb
+    usable = usable_gb(dev.free_bytes(info), 0, reserve, budget, 0)
+    choice = pick_rung(manifest, usable, settings.memory_mode)
+    rung: Rung | None = choice.rung
+    check.rung_reason = choice.reason
+    faults = FaultPlan.parse(settings.faults)
+    cache = PipelineCache(info)
+    while rung is not None:
+        failure: str | None = None
+        started = time.perf_counter()
+        try:
+            loaded = load_pipeline(manifest, rung, info, settings, faults)
+        except Exception as exc:
+            if not is_oom(exc):
+                check.error = f"{type(exc).__name__}: {exc}"
+                return check
+            failure = oom_detail(exc)
+        if failure is None:
+            check.rung, check.dtype = loaded.rung, loaded.dtype_name
+            check.settings = loaded.settings
+            check.load_s, check.device_bytes = time.perf_counter() - started, loaded.device_bytes
+            check.attempts.append(f"{rung}: loaded")
+            cache.put(loaded)
+            cache.evict(model)
+            return check
+        check.attempts.append(f"{rung}: out of memory ({failure})")
+        rung = None if settings.memory_mode != "auto" else lower_rung(rung)
+    check.error = f"model {model} did not load on any rung it may use"
+    return check
+
+
+def _compile_line(settings: Settings, info: DeviceInfo) -> str:
+    missing = compile_available()
+    if missing is not None:
+        return f"unavailable: {missing}"
+    effective = settings.compile
+    if effective == "auto":
+        effective = "on" if info.accelerator else "off (auto: CPU)"
+    return (
+        f"available; KILN_COMPILE={settings.compile} -> {effective} at the full rung;"
+        f" inductor cache {settings.inductor_cache_dir}"
+    )
+
+
+def _torchao(info: DeviceInfo) -> dict[str, str]:
+    version = torchao_version()
+    if version is None:
+        return {"import": "not importable: every quantize entry will be skipped"}
+    schemes = {}
+    for scheme in ("int8", "int8_dynamic", "int4", "fp8"):
+        reason = unsupported_reason(scheme, info)
+        schemes[scheme] = "ok" if reason is None else f"skipped ({reason})"
+    return {"version": version, **schemes}
+
+
+def _redis(url: str) -> tuple[str, bool]:
+    try:
+        conn = Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        started = time.perf_counter()
+        conn.ping()
+        ping_ms = (time.perf_counter() - started) * 1000
+        server = conn.info("server").get("redis_version", "?")
+        return f"reachable at {url} (redis {server}, ping {ping_ms:.1f} ms)", True
+    except (RedisError, OSError) as exc:
+        return f"UNREACHABLE at {url}: {exc}", False
+
+
+def _aotriton(info: DeviceInfo) -> str | None:
+    if info.backend != "rocm":
+        return None
+    return os.environ.get("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "unset")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
