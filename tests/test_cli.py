@@ -1,0 +1,87 @@
+"""The command line and the client's import surface, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from tests.conftest import ROOT, kiln
+
+NO_TORCH = """import sys
+try:
+    {code}
+except SystemExit:
+    pass
+print([m for m in ("torch", "diffusers", "transformers") if m in sys.modules])
+"""
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import api_client", "from worker.cli import main; main(['--help'])", "import worker.settings"],
+    ids=["import api_client", "kiln --help", "settings"],
+)
+def test_light_paths_never_import_torch(code: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TORCH.format(code=code)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_submit_rejects_with_a_message_naming_field_value_and_limit(kiln_env: dict[str, str], redis_conn: Redis) -> None:
+    done = kiln("submit", "a fox", "--model", "tiny-sd15", "--steps", "99", env=kiln_env)
+    assert done.returncode == 2
+    assert "steps=99" in done.stderr and "50" in done.stderr
+    assert redis_conn.keys("rq:job:*") == []
+
+
+def test_submit_wait_json_through_a_real_worker_process(kiln_env: dict[str, str], redis_conn: Redis, settings: Any) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--models", "tiny-sd15"],
+        env=kiln_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        done = kiln("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5",
+                    "--wait", "--json", "--timeout", "120", env=kiln_env, timeout=180)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["model"] == "tiny-sd15" and result["seed"] == 5 and result["steps"] == 3
+        assert Path(result["images"][0]["path"]).is_file()
+        human = kiln("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5",
+                     "--wait", "--timeout", "120", env=kiln_env, timeout=180)
+        assert human.returncode == 0, human.stderr
+        assert "done" in human.stdout and result["images"][0]["sha256"][:16] in human.stdout
+        models = kiln("models", "--json", env=kiln_env)
+        [tiny] = [m for m in json.loads(models.stdout) if m["id"] == "tiny-sd15"]
+        assert tiny["workers"] and tiny["resident_on"] == tiny["workers"]
+    finally:
+        worker.terminate()
+        out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, out
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    timing = [line for line in lines if line.get("event") == "job_timing"]
+    assert len(timing) == 2 and all(line["status"] == "done" for line in timing)
+
+
+def test_manifests_publish_then_client_validates_against_redis(kiln_env: dict[str, str], redis_conn: Redis) -> None:
+    done = kiln("manifests", "publish", env=kiln_env)
+    assert done.returncode == 0, done.stderr
+    assert redis_conn.hexists("kiln:manifests", "tiny-sd3")
+
+
+def test_tiny_models_verb_builds_into_a_directory(tmp_path: Path, kiln_env: dict[str, str]) -> None:
+    started = time.perf_counter()
+    done = kiln("tiny-models", str(tmp_path / "m"), env=kiln_env)
+    assert done.returncode == 0, done.stderr
+    for name in ("tiny-sd15", "tiny-sdxl", "tiny-sd3"):
+        assert (tmp_path / "m" / name / "model_index.json").is_file()
+    assert time.perf_counter() - started < 120  # generous: a cold interpreter imports diffusers
