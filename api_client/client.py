@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
-from rq import Queue
-from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq import Queue, Retry
+from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -25,6 +25,9 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 JOB_TIMEOUT_S = 600
 RESULT_TTL_S = 7 * 24 * 3600
 STOP_TTL_S = 24 * 3600
+# A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
+# Workers never retry a job that failed by itself: a render that failed would fail again.
+ABANDONED_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,16 @@ class KilnJob:
 
         Returns the status seen when the cancel was made.
         """
+        # The stop key first: if a worker takes the job between our read and the cancel below,
+        # it still sees the key (before loading, or at the next step).
         self._connection.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
         job = self._fetch()
         status = job.get_status(refresh=False)
         if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
-            job.cancel()
+            try:
+                job.cancel()
+            except InvalidJobOperation:
+                pass  # cancelled twice: already done
         return str(status.value)
 
 
@@ -151,7 +159,8 @@ class KilnClient:
         published = self.connection.hgetall(keys.MANIFESTS_KEY)
         if published:
             return {
-                _text(model_id): Manifest.model_validate_json(raw) for model_id, raw in published.items()
+                _text(model_id): Manifest.model_validate_json(raw)
+                for model_id, raw in published.items()
             }
         manifests, _failures = load_manifest_dir(self.manifests_dir)
         return manifests
@@ -172,7 +181,9 @@ class KilnClient:
     ) -> KilnJob:
         """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
         resolved = self.validate(request)
-        queue = Queue(keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer)
+        queue = Queue(
+            keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
+        )
         job_id = job_id or uuid.uuid4().hex
         try:
             queue.enqueue_call(
@@ -181,6 +192,7 @@ class KilnClient:
                 job_id=job_id,
                 unique=True,
                 at_front=at_front,
+                retry=Retry(max=ABANDONED_RETRIES),
                 timeout=timeout_s,
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=RESULT_TTL_S,
@@ -202,7 +214,9 @@ class KilnClient:
             width, _, height = size.partition("x")
             data = json.loads(raw)
             fits.setdefault(model_id, {})[(int(width), int(height))] = TimingFit(
-                fixed_s=float(data["fixed_s"]), per_step_s=float(data["per_step_s"]), samples=int(data["samples"])
+                fixed_s=float(data["fixed_s"]),
+                per_step_s=float(data["per_step_s"]),
+                samples=int(data["samples"]),
             )
         serving: dict[str, list[str]] = {}
         resident: dict[str, list[str]] = {}

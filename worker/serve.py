@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import structlog
-from redis import Redis
 
 from api_client.manifest import Manifest
 from worker import logs
@@ -15,7 +14,9 @@ from worker.settings import Settings
 log = structlog.get_logger("kiln.worker")
 
 
-def serve(settings: Settings, manifests: dict[str, Manifest], *, burst: bool, name: str | None) -> int:
+def serve(
+    settings: Settings, manifests: dict[str, Manifest], *, burst: bool, name: str | None
+) -> int:
     logs.configure(settings.log_format)
     try:
         FaultPlan.parse(settings.faults)
@@ -28,12 +29,12 @@ def serve(settings: Settings, manifests: dict[str, Manifest], *, burst: bool, na
         return 1
     # Heavy imports only now: torch, diffusers.
     from worker import device as dev
-    from worker.queue import make_worker
+    from worker.queue import make_worker, worker_connection
     from worker.render import Renderer
 
     info = dev.probe(settings)
     renderer = Renderer(settings, manifests, info)
-    connection = Redis.from_url(settings.redis_url)
+    connection = worker_connection(settings.redis_url)
     connection.ping()
     worker = make_worker(connection, renderer, servable, name=name)
     if settings.metrics_port:
@@ -51,7 +52,14 @@ def serve(settings: Settings, manifests: dict[str, Manifest], *, burst: bool, na
         redis=_redacted(settings.redis_url),
     )
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.WARNING))
-    return 0
+    if burst or worker.stopping:
+        return 0
+    # RQ's loop only ends by itself on an error it could not handle (e.g. Redis gone for longer
+    # than the connection's retries): exit non-zero so a supervisor restarts the worker.
+    log.error(
+        "worker_exited", worker=worker.name, error="work loop ended without a shutdown request"
+    )
+    return 1
 
 
 def _redacted(url: str) -> str:

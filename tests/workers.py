@@ -1,0 +1,161 @@
+"""Real processes for queue tests: `kiln worker` subprocesses, private redis-server instances, and
+a slow tiny model (the tiny sd15 weights at 256 px) so a job runs long enough to kill mid-way."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from tests.conftest import MANIFESTS, ROOT
+
+SLOW_MODEL = "tiny-slow"
+STARTUP_S = 90.0  # torch + diffusers import, model load; generous on a shared 2-core machine
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    """Poll until predicate() is truthy; its value, or AssertionError naming what never happened."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def slow_manifests(directory: Path) -> Path:
+    """The repo's manifests plus tiny-slow: tiny sd15 weights, 256 px only (~16x a 128 px step)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in MANIFESTS.glob("*.yaml"):
+        shutil.copy(path, directory / path.name)
+    text = (MANIFESTS / "tiny-sd15.yaml").read_text()
+    text = text.replace("id: tiny-sd15", f"id: {SLOW_MODEL}")
+    text = text.replace("resolutions: [[128, 128], [192, 128], [128, 192]]", "resolutions: [[256, 256]]")
+    assert f"id: {SLOW_MODEL}" in text and "[[256, 256]]" in text, "tiny-sd15.yaml changed shape"
+    (directory / f"{SLOW_MODEL}.yaml").write_text(text)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class WorkerProcess:
+    """`python -m worker.cli worker` in its own process, output kept in a log file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str, code: str | None = None) -> None:
+        self.log = log
+        self.name = f"test-worker-{os.getpid()}-{time.monotonic_ns()}"
+        # code: a few lines run before the CLI, to install one fake for one failure mode.
+        launcher = f"{code}\nimport sys\nfrom worker.cli import main\nsys.exit(main())"
+        prefix = [sys.executable, "-c", launcher] if code else [sys.executable, "-m", "worker.cli"]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*prefix, "worker", "--name", self.name, *args],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self, conn: Redis, timeout: float = STARTUP_S) -> None:
+        from api_client import keys
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.output()}")
+            return bool(conn.exists(keys.worker_key(self.name)))
+
+        wait_until(ready, timeout, f"worker {self.name} to publish its state", poll=0.2)
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+class RedisServer:
+    """A private redis-server on a free port: restartable, with AOF, ACL users and TLS if asked."""
+
+    def __init__(self, directory: Path, *extra: str, tls: Path | None = None) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.extra = list(extra)
+        self.tls = tls
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        argv = ["redis-server", "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
+        if self.tls is not None:
+            argv += ["--port", "0", "--tls-port", str(self.port)]
+            argv += ["--tls-cert-file", str(self.tls / "server.crt"), "--tls-key-file", str(self.tls / "server.key")]
+            argv += ["--tls-ca-cert-file", str(self.tls / "ca.crt"), "--tls-auth-clients", "no"]
+        else:
+            argv += ["--port", str(self.port)]
+        return argv + self.extra
+
+    def start(self) -> None:
+        with open(self.directory / "redis.log", "ab") as out:
+            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT)
+        wait_until(self._listening, 20, f"redis-server on port {self.port}")
+
+    def _listening(self) -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save; only what the AOF already holds survives."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=20)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+def make_tls_files(directory: Path) -> Path:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with openssl."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "1", "-subj", "/CN=kiln-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+    return directory
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
