@@ -276,8 +276,9 @@ def compile_fell_back(loaded: LoadedPipeline, exc: BaseException) -> bool:
     uncompile_denoiser(loaded)
     loaded.compiled = False
     loaded.settings.applied = [n for n in loaded.settings.applied if n.name != "compile"]
-    first_line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    loaded.settings.add("fell_back", "compile", f"eager: first compiled forward failed: {first_line}")
+    # Dynamo puts the backend's own error on the lines after "backend=... raised:".
+    why = " ".join(str(exc).split())[:300] or type(exc).__name__
+    loaded.settings.add("fell_back", "compile", f"eager: first compiled forward failed: {why}")
     return True
 
 

@@ -1,0 +1,97 @@
+"""torch.compile policy: only at full, auto off on CPU, compile: required honoured, a failing
+first compiled forward falls back to eager, and (slow) a real regional compile with recompiles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from tests.helpers import burst, client_for, make_renderer, records
+from worker.faults import FaultPlan
+from worker.manifest import load_manifests
+from worker.pipelines import CompileRequired, LoadedPipeline, load_pipeline
+from worker.settings import Settings
+
+MODEL = "tiny-sd15"
+
+
+def load(settings: Settings, rung: str = "full", **manifest: Any) -> LoadedPipeline:
+    base = load_manifests(settings.manifests, [MODEL])[MODEL]
+    from worker.device import probe
+
+    return load_pipeline(base.model_copy(update=manifest), rung, probe(settings), settings, FaultPlan())  # type: ignore[arg-type]
+
+
+def compile_note(loaded: LoadedPipeline) -> tuple[str, str]:
+    for kind in ("applied", "skipped", "fell_back"):
+        for note in getattr(loaded.settings, kind):
+            if note.name == "compile":
+                return kind, note.reason
+    raise AssertionError("no compile note")
+
+
+def test_auto_does_not_compile_on_cpu(settings: Settings) -> None:
+    loaded = load(settings)
+    assert not loaded.compiled
+    assert compile_note(loaded) == ("skipped", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
+
+
+@pytest.mark.parametrize("rung", ["model_offload", "group_offload"])
+def test_never_compiles_below_full_even_when_required(make_settings: Any, rung: str) -> None:
+    loaded = load(make_settings(compile="on"), rung, compile="required")
+    assert not loaded.compiled
+    kind, reason = compile_note(loaded)
+    assert kind == "skipped" and f"rung {rung}" in reason and reason.startswith("required")
+
+
+def test_required_with_the_switch_off_refuses_to_load(make_settings: Any) -> None:
+    with pytest.raises(CompileRequired, match="tiny-sd15: compile is required .* switch is off"):
+        load(make_settings(compile="off"), compile="required")
+
+
+def test_a_failing_first_compiled_forward_falls_back_to_eager(
+    redis_conn: Redis, make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fake: a torch.compile backend that refuses every graph, as a broken Inductor would."""
+    import worker.compile
+
+    def broken_backend(gm: Any, inputs: Any) -> Any:
+        raise RuntimeError("injected compiler failure")
+
+    def compile_with_broken_backend(loaded: LoadedPipeline, settings: Settings) -> str:
+        # A small region keeps Dynamo's tracing cheap; the failure path is the same.
+        worker.compile.denoiser_of(loaded).time_embedding.compile(backend=broken_backend)
+        return "test: time_embedding with a broken backend"
+
+    monkeypatch.setattr(worker.compile, "compile_denoiser", compile_with_broken_backend)
+    settings = make_settings(compile="on")
+    handle = client_for(redis_conn, settings).submit({"model": MODEL, "prompt": "c", "steps": 2})
+    burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
+    result = handle.wait(timeout=30)
+    assert not result.compiled
+    assert [(a.rung, a.outcome) for a in result.attempts] == [("full", "error"), ("full", "ok")]
+    [note] = [n for n in result.settings.fell_back if n.name == "compile"]
+    assert "injected compiler failure" in note.reason
+    assert "compile" not in result.settings.names("applied")
+
+
+@pytest.mark.slow
+def test_regional_compile_renders_and_counts_recompiles(redis_conn: Redis, make_settings: Any) -> None:
+    settings = make_settings(compile="on")
+    renderer = make_renderer(settings, [MODEL])
+    client = client_for(redis_conn, settings)
+    sizes = [(128, 128), (128, 128), (192, 128)]
+    jobs = [
+        client.submit({"model": MODEL, "prompt": "compiled", "steps": 2, "width": w, "height": h})
+        for w, h in sizes
+    ]
+    burst(redis_conn, renderer, [MODEL])
+    results = [job.wait(timeout=600) for job in jobs]
+    assert all(r.compiled and r.rung == "full" for r in results)
+    assert "regional" in next(n.reason for n in results[0].settings.applied if n.name == "compile")
+    first, same_size, new_size = records(settings.timings_log)
+    assert first.cold and not same_size.cold and new_size.cold
+    assert same_size.recompiles == 0  # same shape: the graphs from the first job are reused
+    assert new_size.recompiles > 0  # a new latent size makes Dynamo build new graphs
