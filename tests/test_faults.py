@@ -1,0 +1,81 @@
+"""Faults a worker must survive: a job that outruns KILN_JOB_TIMEOUT_S, and an output directory
+that cannot be written (no such directory possible, or a full disk). Each job fails with a clear
+message, is not retried, and the worker takes the next job."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from api_client import KilnClient, RenderFailed
+from tests.helpers import burst, client_for, make_renderer, records
+from tests.workers import SLOW_MODEL, slow_manifests
+from worker import output
+from worker.render import LocalContext
+
+
+def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
+    redis_conn: Redis, make_settings: Any, tmp_path: Path
+) -> None:
+    settings = make_settings(manifests=slow_manifests(tmp_path / "manifests"), job_timeout_s=3)
+    renderer = make_renderer(settings, [SLOW_MODEL])
+    # Load before the clock starts, so the timeout lands in the denoise loop, not in the load.
+    renderer.render({"model": SLOW_MODEL, "prompt": "warm", "steps": 1}, LocalContext("warm-up"))
+    client = KilnClient(connection=redis_conn, manifests_dir=settings.manifests)
+    slow = client.submit({"model": SLOW_MODEL, "prompt": "too long", "steps": 50})  # asks for 600 s
+    quick = client.submit({"model": SLOW_MODEL, "prompt": "quick", "steps": 1})
+    burst(redis_conn, renderer, [SLOW_MODEL])
+
+    with pytest.raises(RenderFailed, match="ran past its timeout of 3 s") as caught:
+        slow.wait(timeout=1)
+    assert caught.value.status == "failed"
+    progress = slow.progress()
+    assert progress is not None and progress.step < 50
+    assert redis_conn.llen(f"rq:queue:kiln:{SLOW_MODEL}") == 0  # not retried
+    assert quick.wait(timeout=1).steps == 1
+
+
+def test_unwritable_output_dir_fails_the_job_clearly(redis_conn: Redis, make_settings: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output directory should be")
+    settings = make_settings(output_dir=blocker, timings_log=tmp_path / "timings.jsonl")
+    client = client_for(redis_conn, settings)
+    job = client.submit({"model": "tiny-sd15", "prompt": "nowhere", "steps": 2})
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    with pytest.raises(RenderFailed, match=f"cannot write images for job {job.id} under {blocker}"):
+        job.wait(timeout=1)
+    # The operator fixes the directory; the same worker process carries on.
+    renderer.settings = make_settings(output_dir=tmp_path / "out2", timings_log=tmp_path / "timings.jsonl")
+    after = client.submit({"model": "tiny-sd15", "prompt": "somewhere", "steps": 2})
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    assert Path(after.wait(timeout=1).images[0].path).is_file()
+
+
+def test_full_disk_fails_the_job_clearly_and_leaves_no_partial_files(
+    redis_conn: Redis, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = client_for(redis_conn, settings)
+    job = client.submit({"model": "tiny-sd15", "prompt": "full", "steps": 2, "num_images": 2})
+    after = client.submit({"model": "tiny-sd15", "prompt": "after", "steps": 2})
+    real_write = output._write_atomic
+
+    def disk_full_for_the_second_image(path: Path, data: bytes) -> None:
+        # The fake for ENOSPC: the first job's second image does not fit; later jobs do.
+        if path.parent.name == job.id and path.name.startswith("1."):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(output, "_write_atomic", disk_full_for_the_second_image)
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    with pytest.raises(RenderFailed, match="No space left on device") as caught:
+        job.wait(timeout=1)
+    assert caught.value.status == "failed"
+    assert not (settings.output_dir / job.id / "result.json").exists()
+    assert not list((settings.output_dir / job.id).glob(".*.tmp"))
+    assert after.wait(timeout=1).model == "tiny-sd15"
+    assert [r.status for r in records(settings.timings_log)] == ["failed", "done"]

@@ -1,0 +1,72 @@
+"""Routing and the queue surface: one queue per model, at_front priority, idempotent job ids, and
+the worker state (models served, resident, heartbeat) that `kiln models` and client.models() show."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from redis import Redis
+
+from tests.conftest import kiln
+from tests.helpers import burst, client_for, make_renderer, records
+from worker.queue import make_worker
+
+
+def test_a_worker_takes_only_the_queues_of_its_models(redis_conn: Redis, settings: Any) -> None:
+    client = client_for(redis_conn, settings)
+    mine = client.submit({"model": "tiny-sd15", "prompt": "mine", "steps": 2})
+    other = client.submit({"model": "tiny-sdxl", "prompt": "not mine", "steps": 2})
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    assert mine.wait(timeout=5).model == "tiny-sd15"
+    assert other.status() == "queued"
+    assert redis_conn.lrange("rq:queue:kiln:tiny-sdxl", 0, -1) == [other.id.encode()]
+
+
+def test_at_front_jumps_the_queue(redis_conn: Redis, settings: Any) -> None:
+    client = client_for(redis_conn, settings)
+    normal = [client.submit({"model": "tiny-sd15", "prompt": f"n{i}", "steps": 2}) for i in range(3)]
+    urgent = client.submit({"model": "tiny-sd15", "prompt": "urgent", "steps": 2}, at_front=True)
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    order = [r.job_id for r in records(settings.timings_log)]
+    assert order == [urgent.id] + [job.id for job in normal]
+
+
+def test_the_same_job_id_renders_once(redis_conn: Redis, settings: Any) -> None:
+    client = client_for(redis_conn, settings)
+    request = {"model": "tiny-sd15", "prompt": "once", "steps": 2, "seed": 4}
+    first = client.submit(request, job_id="order-1234")
+    second = client.submit(request, job_id="order-1234")
+    assert first.id == second.id == "order-1234"
+    assert redis_conn.llen("rq:queue:kiln:tiny-sd15") == 1
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    result = first.wait(timeout=5)
+    # Submitted again after it finished: still the same job, nothing enqueued.
+    assert client.submit(request, job_id="order-1234").wait(timeout=1) == result
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    assert [r.job_id for r in records(settings.timings_log)] == ["order-1234"]
+
+
+def test_workers_publish_models_resident_and_heartbeat(
+    redis_conn: Redis, settings: Any, kiln_env: dict[str, str]
+) -> None:
+    client = client_for(redis_conn, settings)
+    client.submit({"model": "tiny-sd15", "prompt": "warm up", "steps": 2})
+    renderer = make_renderer(settings, ["tiny-sd15", "tiny-sdxl"])
+    worker = make_worker(redis_conn, renderer, ["tiny-sd15", "tiny-sdxl"])
+    worker.work(burst=True)
+    assert client.workers() == []  # a worker that exits withdraws its state
+    before = time.time()
+    worker.publish_state()  # what the pulse thread does every couple of seconds
+    [state] = client.workers()
+    assert state["name"] == worker.name and state["models"] == ["tiny-sd15", "tiny-sdxl"]
+    assert state["resident"] == ["tiny-sd15"] and state["heartbeat"] >= before
+    info = {i.manifest.id: i for i in client.models()}
+    assert info["tiny-sd15"].workers == [worker.name] and info["tiny-sd15"].resident_on == [worker.name]
+    assert info["tiny-sdxl"].workers == [worker.name] and info["tiny-sdxl"].resident_on == []
+    shown = kiln("models", "--json", env=kiln_env, check=True)
+    listed = {m["id"]: m for m in json.loads(shown.stdout)}
+    assert listed["tiny-sd15"]["resident_on"] == [worker.name]
+    assert listed["tiny-sdxl"]["workers"] == [worker.name]
