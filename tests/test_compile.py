@@ -21,7 +21,9 @@ def load(settings: Settings, rung: str = "full", **manifest: Any) -> LoadedPipel
     base = load_manifests(settings.manifests, [MODEL])[MODEL]
     from worker.device import probe
 
-    return load_pipeline(base.model_copy(update=manifest), rung, probe(settings), settings, FaultPlan())  # type: ignore[arg-type]
+    return load_pipeline(
+        base.model_copy(update=manifest), rung, probe(settings), settings, FaultPlan()
+    )  # type: ignore[arg-type]
 
 
 def compile_note(loaded: LoadedPipeline) -> tuple[str, str]:
@@ -35,7 +37,10 @@ def compile_note(loaded: LoadedPipeline) -> tuple[str, str]:
 def test_auto_does_not_compile_on_cpu(settings: Settings) -> None:
     loaded = load(settings)
     assert not loaded.compiled
-    assert compile_note(loaded) == ("skipped", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
+    assert compile_note(loaded) == (
+        "skipped",
+        "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)",
+    )
 
 
 @pytest.mark.parametrize("rung", ["model_offload", "group_offload"])
@@ -47,7 +52,7 @@ def test_never_compiles_below_full_even_when_required(make_settings: Any, rung: 
 
 
 def test_required_with_the_switch_off_refuses_to_load(make_settings: Any) -> None:
-    with pytest.raises(CompileRequired, match="tiny-sd15: compile is required .* switch is off"):
+    with pytest.raises(CompileRequired, match=r"tiny-sd15: compile is required .* switch is off"):
         load(make_settings(compile="off"), compile="required")
 
 
@@ -78,7 +83,9 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
 
 
 @pytest.mark.slow
-def test_regional_compile_renders_and_counts_recompiles(redis_conn: Redis, make_settings: Any) -> None:
+def test_regional_compile_renders_and_counts_recompiles(
+    redis_conn: Redis, make_settings: Any
+) -> None:
     settings = make_settings(compile="on")
     renderer = make_renderer(settings, [MODEL])
     client = client_for(redis_conn, settings)

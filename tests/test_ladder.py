@@ -1,5 +1,5 @@
-"""The memory ladder through the real worker: every rung renders, auto picks rungs from the
-budget, injected OOMs (KILN_FAULTS) descend or fail as DESIGN.md says, and the rung is remembered."""
+"""The memory ladder through the real worker: every rung renders, auto picks rungs by
+budget, injected OOMs (KILN_FAULTS) descend or fail as DESIGN.md says, the rung is remembered."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ MODEL = "tiny-sd15"
 JOB = {"model": MODEL, "prompt": "a ladder", "steps": 2, "seed": 3}
 
 
-def render(conn: Redis, settings: Any, renderer: Renderer | None = None, **job: Any) -> RenderResult:
+def render(
+    conn: Redis, settings: Any, renderer: Renderer | None = None, **job: Any
+) -> RenderResult:
     """Submit one job, work it with an in-process worker, return its result."""
     handle = client_for(conn, settings).submit({**JOB, **job})
     burst(conn, renderer or make_renderer(settings, [MODEL]), [MODEL])
@@ -53,7 +55,12 @@ def test_each_rung_renders_when_pinned(redis_conn: Redis, make_settings: Any, ru
     ],
 )
 def test_auto_picks_the_rung_the_budget_allows(
-    redis_conn: Redis, make_settings: Any, budget: float | None, reserve: float, rung: str, reason: str
+    redis_conn: Redis,
+    make_settings: Any,
+    budget: float | None,
+    reserve: float,
+    rung: str,
+    reason: str,
 ) -> None:
     settings = make_settings(vram_budget_gb=budget, vram_reserve_gb=reserve)
     result = render(redis_conn, settings)
@@ -97,12 +104,16 @@ def test_load_oom_on_every_rung_fails_and_the_worker_goes_on(
     doomed = client.submit(JOB)
     fine = client.submit({**JOB, "seed": 4})
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
-    with pytest.raises(RenderFailed, match="tiny-sd15 ran out of memory while loading at rung group_offload"):
+    with pytest.raises(
+        RenderFailed, match="tiny-sd15 ran out of memory while loading at rung group_offload"
+    ):
         doomed.wait(timeout=10)
     assert fine.wait(timeout=10).rung == "full"  # the drills are spent; the next job loads at full
     failed = records(settings.timings_log)[0]
     assert [(a.rung, a.phase) for a in failed.attempts] == [
-        ("full", "load"), ("model_offload", "load"), ("group_offload", "load")
+        ("full", "load"),
+        ("model_offload", "load"),
+        ("group_offload", "load"),
     ]
 
 
@@ -120,7 +131,11 @@ def test_generation_oom_twice_descends_reloads_and_retries(
 ) -> None:
     result = render(redis_conn, make_settings(faults=f"oom@{phase}:full*2"))
     assert result.rung == "model_offload"
-    assert outcomes(result) == [("full", "oom", phase), ("full", "oom", phase), ("model_offload", "ok", None)]
+    assert outcomes(result) == [
+        ("full", "oom", phase),
+        ("full", "oom", phase),
+        ("model_offload", "ok", None),
+    ]
     assert result.timings.load > 0  # the reload at the lower rung is charged to load
 
 
@@ -130,12 +145,16 @@ def test_generation_oom_after_descending_fails_naming_model_and_rung(
     settings = make_settings(faults="oom@decode:full*2,oom@decode:model_offload")
     handle = client_for(redis_conn, settings).submit(JOB)
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
-    with pytest.raises(RenderFailed, match=r"tiny-sd15 ran out of memory while generating at rung model_offload"):
+    with pytest.raises(
+        RenderFailed, match=r"tiny-sd15 ran out of memory while generating at rung model_offload"
+    ):
         handle.wait(timeout=10)
     [record] = records(settings.timings_log)
     assert record.status == "failed"
     assert [(a.rung, a.outcome, a.phase) for a in record.attempts] == [
-        ("full", "oom", "decode"), ("full", "oom", "decode"), ("model_offload", "oom", "decode")
+        ("full", "oom", "decode"),
+        ("full", "oom", "decode"),
+        ("model_offload", "oom", "decode"),
     ]
 
 
@@ -176,9 +195,16 @@ def test_pick_rung_and_usable_memory_rules() -> None:
     from api_client.manifest import Manifest
 
     manifest = Manifest.model_validate(
-        {"id": "m", "family": "sdxl", "source": "m", "steps": {"default": 4, "max": 8},
-         "guidance": {"default": 0, "max": 2}, "resolutions": [[1024, 1024]], "min_vram_gb": 10.0,
-         "rung_vram_gb": {"model_offload": 6.0}}
+        {
+            "id": "m",
+            "family": "sdxl",
+            "source": "m",
+            "steps": {"default": 4, "max": 8},
+            "guidance": {"default": 0, "max": 2},
+            "resolutions": [[1024, 1024]],
+            "min_vram_gb": 10.0,
+            "rung_vram_gb": {"model_offload": 6.0},
+        }
     )
     assert pick_rung(manifest, 12.0, "auto").rung == "full"
     assert pick_rung(manifest, 7.0, "auto").rung == "model_offload"

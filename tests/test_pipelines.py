@@ -82,7 +82,14 @@ def test_switches_follow_settings_and_manifest_overrides(make_settings: Any) -> 
     assert loaded.pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     # Every switch is accounted for exactly once.
     names = [n.name for kind in ("applied", "skipped", "fell_back") for n in getattr(report, kind)]
-    for switch in ("sdpa", "channels_last", "compile", "vae_tiling", "attention_slicing", "taesd_preview"):
+    for switch in (
+        "sdpa",
+        "channels_last",
+        "compile",
+        "vae_tiling",
+        "attention_slicing",
+        "taesd_preview",
+    ):
         assert names.count(switch) == 1, switch
 
 

@@ -68,9 +68,17 @@ def probe(settings: Settings) -> DeviceInfo:
         # MPS shares host memory; bf16 arrived with macOS 14.
         bf16 = bool(torch.backends.mps.is_macos_or_newer(14, 0))
         total = _host_total_bytes()
-        return DeviceInfo("mps", "mps", "Apple MPS", total, _host_available_bytes(), bf16=bf16, fp16=True)
+        return DeviceInfo(
+            "mps", "mps", "Apple MPS", total, _host_available_bytes(), bf16=bf16, fp16=True
+        )
     return DeviceInfo(
-        "cpu", "cpu", _cpu_name(), _host_total_bytes(), _host_available_bytes(), bf16=False, fp16=False
+        "cpu",
+        "cpu",
+        _cpu_name(),
+        _host_total_bytes(),
+        _host_available_bytes(),
+        bf16=False,
+        fp16=False,
     )
 
 
@@ -90,7 +98,7 @@ def _cuda_free_bytes(device: str) -> int:
 
 
 def allocated_bytes(info: DeviceInfo) -> int:
-    """Device memory this process holds in tensors; on CPU, torch keeps no count, so resident set size."""
+    """Device memory held in tensors; on CPU torch keeps no count, so the resident set size."""
     if info.torch_device.startswith("cuda"):
         return int(torch.cuda.memory_allocated(info.torch_device))
     if info.backend == "mps":
@@ -170,7 +178,9 @@ def _host_total_bytes() -> int:
 
 
 def _host_available_bytes() -> int:
-    return _meminfo().get("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return _meminfo().get("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_AVPHYS_PAGES"
+    )
 
 
 def _process_rss_bytes() -> int:

@@ -21,7 +21,6 @@ from worker.pipelines import PipelineCache, load_pipeline
 from worker.quantize import torchao_version, unsupported_reason
 from worker.settings import Settings
 
-
 PACKAGES = ("torch", "diffusers", "transformers", "torchao", "accelerate", "rq")
 
 

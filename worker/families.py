@@ -6,8 +6,9 @@ so each phase is timed, fault-injected and retried on its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from PIL import Image
@@ -42,7 +43,11 @@ def _encode_pooled(pipe: Any, prompt: str, negative: str, count: int, cfg: bool)
         num_images_per_prompt=count,
         do_classifier_free_guidance=cfg,
         negative_prompt=negative or None,
-        **({"prompt_2": None, "prompt_3": None} if hasattr(pipe, "tokenizer_3") else {"prompt_2": None}),
+        **(
+            {"prompt_2": None, "prompt_3": None}
+            if hasattr(pipe, "tokenizer_3")
+            else {"prompt_2": None}
+        ),
     )
     embeds = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
     if cfg:
@@ -70,7 +75,10 @@ def _decode_sdxl(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
         pipe.upcast_vae()
     try:
         latents = latents.to(_vae_device(vae), next(iter(vae.post_quant_conv.parameters())).dtype)
-        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        mean, std = (
+            getattr(vae.config, "latents_mean", None),
+            getattr(vae.config, "latents_std", None),
+        )
         if mean is not None and std is not None:
             mean_t = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
             std_t = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
@@ -97,7 +105,11 @@ FAMILIES: dict[str, Family] = {
     "sd2": Family("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
     "sdxl": Family("StableDiffusionXLPipeline", _encode_pooled, _decode_sdxl),
     "sd3": Family(
-        "StableDiffusion3Pipeline", _encode_pooled, _decode_sd3, fp16_safe=False, denoiser="transformer"
+        "StableDiffusion3Pipeline",
+        _encode_pooled,
+        _decode_sd3,
+        fp16_safe=False,
+        denoiser="transformer",
     ),
 }
 
@@ -107,5 +119,6 @@ def family_of(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise ValueError(
-            f"family {name!r} has no renderer in this worker; supported: {', '.join(sorted(FAMILIES))}"
+            f"family {name!r} has no renderer in this worker;"
+            f" supported: {', '.join(sorted(FAMILIES))}"
         ) from None

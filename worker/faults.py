@@ -41,9 +41,13 @@ class FaultPlan:
                 raise InvalidFaults(f"KILN_FAULTS entry {raw!r}: expected oom@PHASE:RUNG[*COUNT]")
             phase, rung = match["phase"], match["rung"]
             if phase not in FAULT_PHASES:
-                raise InvalidFaults(f"KILN_FAULTS entry {raw!r}: phase must be one of {', '.join(FAULT_PHASES)}")
+                raise InvalidFaults(
+                    f"KILN_FAULTS entry {raw!r}: phase must be one of {', '.join(FAULT_PHASES)}"
+                )
             if rung != "*" and rung not in RUNGS:
-                raise InvalidFaults(f"KILN_FAULTS entry {raw!r}: rung must be * or one of {', '.join(RUNGS)}")
+                raise InvalidFaults(
+                    f"KILN_FAULTS entry {raw!r}: rung must be * or one of {', '.join(RUNGS)}"
+                )
             faults.append(_Fault(phase, rung, int(match["count"] or 1)))
         return cls(faults)
 

@@ -61,7 +61,10 @@ def choose_dtype(manifest: Manifest, info: DeviceInfo) -> tuple[torch.dtype, str
         return torch.bfloat16, f"bf16 supported on {info.name}"
     if family_of(manifest.family).fp16_safe and info.fp16:
         return torch.float16, f"fp16: {info.name} has no bf16"
-    return torch.float32, f"fp32: {manifest.family} must not run in fp16 and {info.name} has no bf16"
+    return (
+        torch.float32,
+        f"fp32: {manifest.family} must not run in fp16 and {info.name} has no bf16",
+    )
 
 
 def load_pipeline(
@@ -129,7 +132,7 @@ def _set_scheduler(pipe: Any, manifest: Manifest) -> None:
 
 
 def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
-    """torchao after load, before placement; a scheme this stack cannot run is skipped, never ignored."""
+    """torchao after load, before placement; a scheme this stack cannot run is reported skipped."""
     manifest, report = loaded.manifest, loaded.settings
     wanted = manifest.quantize
     switch = manifest.optimizations.get("quantize", settings.quantize)
@@ -145,7 +148,9 @@ def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> N
     for component, scheme in wanted.items():
         module = getattr(loaded.pipe, component, None)
         if not isinstance(module, torch.nn.Module):
-            raise ValueError(f"model {manifest.id}: quantize names {component!r}, which this pipeline lacks")
+            raise ValueError(
+                f"model {manifest.id}: quantize names {component!r}, which this pipeline lacks"
+            )
         reason = quantize_component(module, scheme, info)
         if reason is None:
             loaded.quantized[component] = scheme
@@ -173,7 +178,9 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
         report.add("applied", "sdpa", "torch scaled_dot_product_attention (diffusers default)")
 
     channels_last = _switch(loaded, settings, "channels_last")
-    if channels_last == "on" or (channels_last == "auto" and info.accelerator and denoiser is pipe.unet):
+    if channels_last == "on" or (
+        channels_last == "auto" and info.accelerator and denoiser is pipe.unet
+    ):
         denoiser.to(memory_format=torch.channels_last)
         report.add("applied", "channels_last", "denoiser in channels_last layout")
     elif channels_last == "auto":
@@ -187,12 +194,20 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
         pipe.enable_attention_slicing()
         report.add("applied", "attention_slicing", "switched on")
     else:
-        report.add("skipped", "attention_slicing", "SDPA is already memory-efficient; slicing only slows it")
+        report.add(
+            "skipped",
+            "attention_slicing",
+            "SDPA is already memory-efficient; slicing only slows it",
+        )
 
     tiling = _switch(loaded, settings, "vae_tiling")
     if tiling == "on" or (tiling == "auto" and rung != "full"):
         pipe.vae.enable_tiling()
-        report.add("applied", "vae_tiling", "switched on" if tiling == "on" else f"auto: offload rung {rung}")
+        report.add(
+            "applied",
+            "vae_tiling",
+            "switched on" if tiling == "on" else f"auto: offload rung {rung}",
+        )
     else:
         why = "switched off" if tiling == "off" else "auto: fully resident, decode fits"
         report.add("skipped", "vae_tiling", why)
@@ -200,14 +215,18 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
     # Not built: a preview needs TAESD weights per latent space (a hub download this worker may
     # not make) and a channel to the client, which carries {phase, step, steps} only.
     preview = _switch(loaded, settings, "taesd_preview")
-    reason = "switched off" if preview == "off" else (
-        "not available: no TAESD weights in the manifest and no preview channel in job progress"
+    reason = (
+        "switched off"
+        if preview == "off"
+        else (
+            "not available: no TAESD weights in the manifest and no preview channel in job progress"
+        )
     )
     report.add("skipped", "taesd_preview", reason)
 
 
 def _place(pipe: Any, rung: Rung, info: DeviceInfo) -> None:
-    """Put the pipeline on its rung. On CPU the offload rungs run for real with the CPU as onload device."""
+    """Put the pipeline on its rung; on CPU the offload rungs run for real, onloading to the CPU."""
     target = torch.device(info.torch_device)
     if rung == "full":
         pipe.to(target)
@@ -235,17 +254,22 @@ def _compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> No
         return
     if loaded.rung != "full":
         why = "required, but" if policy == "required" else "skipped:"
-        report.add("skipped", "compile", f"{why} offload hooks and Inductor conflict at rung {loaded.rung}")
+        report.add(
+            "skipped", "compile", f"{why} offload hooks and Inductor conflict at rung {loaded.rung}"
+        )
         return
     if switch == "off" and required:
         raise CompileRequired(
-            f"model {manifest.id}: compile is required when fully resident, but the compile switch is off"
+            f"model {manifest.id}: compile is required when fully resident,"
+            " but the compile switch is off"
         )
     if switch == "off":
         report.add("skipped", "compile", "switched off")
         return
     if switch == "auto" and not required and not info.accelerator:
-        report.add("skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
+        report.add(
+            "skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)"
+        )
         return
     from worker.compile import compile_available, compile_denoiser
 
@@ -256,8 +280,12 @@ def _compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> No
         how = compile_denoiser(loaded, settings)
     except Exception as exc:
         if required:
-            raise CompileRequired(f"model {manifest.id}: compile is required and failed: {exc}") from exc
-        report.add("fell_back", "compile", f"eager: torch.compile failed: {type(exc).__name__}: {exc}")
+            raise CompileRequired(
+                f"model {manifest.id}: compile is required and failed: {exc}"
+            ) from exc
+        report.add(
+            "fell_back", "compile", f"eager: torch.compile failed: {type(exc).__name__}: {exc}"
+        )
         return
     loaded.compiled = True
     report.add("applied", "compile", how)
@@ -271,7 +299,8 @@ def compile_fell_back(loaded: LoadedPipeline, exc: BaseException) -> bool:
         return False
     if loaded.manifest.compile == "required":
         raise CompileRequired(
-            f"model {loaded.manifest.id}: compile is required and failed at the first forward: {exc}"
+            f"model {loaded.manifest.id}: compile is required"
+            f" and failed at the first forward: {exc}"
         ) from exc
     uncompile_denoiser(loaded)
     loaded.compiled = False
@@ -338,7 +367,11 @@ class PipelineCache:
         self.evictions.append(eviction)
         log.info(
             "evicted %s (%s): allocated %d -> %d bytes, freed %d",
-            model_id, rung, eviction.allocated_before, eviction.allocated_after, eviction.freed_bytes,
+            model_id,
+            rung,
+            eviction.allocated_before,
+            eviction.allocated_after,
+            eviction.freed_bytes,
         )
         return eviction
 
