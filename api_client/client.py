@@ -1,7 +1,8 @@
-"""KilnClient: validate a request against published manifests, enqueue it, follow it to its result."""
+"""KilnClient: validate a request against published manifests, enqueue it, follow it to the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -118,10 +119,8 @@ class KilnJob:
         job = self._fetch()
         status = job.get_status(refresh=False)
         if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
-            try:
+            with contextlib.suppress(InvalidJobOperation):  # cancelled twice: already done
                 job.cancel()
-            except InvalidJobOperation:
-                pass  # cancelled twice: already done
         return str(status.value)
 
 
@@ -185,7 +184,8 @@ class KilnClient:
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )
         job_id = job_id or uuid.uuid4().hex
-        try:
+        # Already submitted: idempotent, hand back the same job.
+        with contextlib.suppress(DuplicateJobError):
             queue.enqueue_call(
                 RENDER_FUNC,
                 kwargs={"request": resolved.model_dump(mode="json")},
@@ -198,8 +198,6 @@ class KilnClient:
                 failure_ttl=RESULT_TTL_S,
                 description=f"{resolved.model}: {resolved.prompt[:60]}",
             )
-        except DuplicateJobError:
-            pass  # already submitted: idempotent, hand back the same job
         return KilnJob(job_id, self.connection)
 
     def job(self, job_id: str) -> KilnJob:

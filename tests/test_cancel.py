@@ -12,7 +12,7 @@ from redis import Redis
 
 from api_client import KilnClient, Progress, RenderFailed, keys
 from tests.helpers import burst, make_renderer, records
-from tests.workers import SLOW_MODEL, slow_manifests, wait_until
+from tests.workers import SLOW_MODEL, pace_here, slow_manifests, wait_until
 
 
 @pytest.fixture
@@ -36,8 +36,9 @@ def test_cancel_a_queued_job_removes_it(redis_conn: Redis, settings: Any) -> Non
 
 
 def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
-    redis_conn: Redis, slow_settings: Any
+    redis_conn: Redis, slow_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pace_here(monkeypatch, 0.1)  # a step takes at least 0.1 s, however fast the machine
     client = KilnClient(connection=redis_conn, manifests_dir=slow_settings.manifests)
     job = client.submit({"model": SLOW_MODEL, "prompt": "stop me", "steps": 40, "seed": 2})
     after = client.submit({"model": SLOW_MODEL, "prompt": "next", "steps": 2, "seed": 2})
@@ -48,7 +49,11 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
             progress = job.progress()
             if progress is not None and (not seen or seen[-1] != progress):
                 seen.append(progress)
-            return progress if progress and progress.phase == "denoise" and progress.step >= 2 else None
+            return (
+                progress
+                if progress and progress.phase == "denoise" and progress.step >= 2
+                else None
+            )
 
         wait_until(step, 120, "denoising to begin")
         assert job.cancel() == "started"

@@ -13,14 +13,15 @@ from redis import Redis
 
 from api_client import KilnClient, RenderFailed
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.workers import SLOW_MODEL, slow_manifests
+from tests.workers import SLOW_MODEL, pace_here, slow_manifests
 from worker import output
 from worker.render import LocalContext
 
 
 def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
-    redis_conn: Redis, make_settings: Any, tmp_path: Path
+    redis_conn: Redis, make_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pace_here(monkeypatch, 0.2)  # 50 steps take 10 s or more on any machine
     settings = make_settings(manifests=slow_manifests(tmp_path / "manifests"), job_timeout_s=3)
     renderer = make_renderer(settings, [SLOW_MODEL])
     # Load before the clock starts, so the timeout lands in the denoise loop, not in the load.
@@ -39,7 +40,9 @@ def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
     assert quick.wait(timeout=1).steps == 1
 
 
-def test_unwritable_output_dir_fails_the_job_clearly(redis_conn: Redis, make_settings: Any, tmp_path: Path) -> None:
+def test_unwritable_output_dir_fails_the_job_clearly(
+    redis_conn: Redis, make_settings: Any, tmp_path: Path
+) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the output directory should be")
     settings = make_settings(output_dir=blocker, timings_log=tmp_path / "timings.jsonl")
@@ -50,7 +53,9 @@ def test_unwritable_output_dir_fails_the_job_clearly(redis_conn: Redis, make_set
     with pytest.raises(RenderFailed, match=f"cannot write images for job {job.id} under {blocker}"):
         job.wait(timeout=1)
     # The operator fixes the directory; the same worker process carries on.
-    renderer.settings = make_settings(output_dir=tmp_path / "out2", timings_log=tmp_path / "timings.jsonl")
+    renderer.settings = make_settings(
+        output_dir=tmp_path / "out2", timings_log=tmp_path / "timings.jsonl"
+    )
     after = client.submit({"model": "tiny-sd15", "prompt": "somewhere", "steps": 2})
     burst(redis_conn, renderer, ["tiny-sd15"])
     assert Path(after.wait(timeout=1).images[0].path).is_file()

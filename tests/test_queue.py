@@ -1,5 +1,5 @@
 """Routing and the queue surface: one queue per model, at_front priority, idempotent job ids, and
-the worker state (models served, resident, heartbeat) that `kiln models` and client.models() show."""
+the worker state (models, resident, heartbeat) that `kiln models` and client.models() show."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def test_a_worker_takes_only_the_queues_of_its_models(redis_conn: Redis, setting
 
 def test_at_front_jumps_the_queue(redis_conn: Redis, settings: Any) -> None:
     client = client_for(redis_conn, settings)
-    normal = [client.submit({"model": "tiny-sd15", "prompt": f"n{i}", "steps": 2}) for i in range(3)]
+    normal = [
+        client.submit({"model": "tiny-sd15", "prompt": f"n{i}", "steps": 2}) for i in range(3)
+    ]
     urgent = client.submit({"model": "tiny-sd15", "prompt": "urgent", "steps": 2}, at_front=True)
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     order = [r.job_id for r in records(settings.timings_log)]
@@ -64,7 +66,9 @@ def test_workers_publish_models_resident_and_heartbeat(
     assert state["name"] == worker.name and state["models"] == ["tiny-sd15", "tiny-sdxl"]
     assert state["resident"] == ["tiny-sd15"] and state["heartbeat"] >= before
     info = {i.manifest.id: i for i in client.models()}
-    assert info["tiny-sd15"].workers == [worker.name] and info["tiny-sd15"].resident_on == [worker.name]
+    assert info["tiny-sd15"].workers == [worker.name] and info["tiny-sd15"].resident_on == [
+        worker.name
+    ]
     assert info["tiny-sdxl"].workers == [worker.name] and info["tiny-sdxl"].resident_on == []
     shown = kiln("models", "--json", env=kiln_env, check=True)
     listed = {m["id"]: m for m in json.loads(shown.stdout)}

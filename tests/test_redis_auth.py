@@ -15,7 +15,15 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from api_client import KilnClient
 from tests.conftest import kiln
-from tests.workers import SLOW_MODEL, RedisServer, WorkerProcess, make_tls_files, slow_manifests, wait_until
+from tests.workers import (
+    SLOW_MODEL,
+    RedisServer,
+    WorkerProcess,
+    make_tls_files,
+    paced,
+    slow_manifests,
+    wait_until,
+)
 
 # The ACLs kiln documents for operators (README "Redis ACLs"); these tests prove they suffice.
 WORKER_ACL = (
@@ -39,14 +47,23 @@ class Deployment:
         (root / "users.acl").write_text(f"{admin}\n{WORKER_ACL}\n{CLIENT_ACL}\n")
         (root / "data").mkdir()
         self.redis = RedisServer(
-            root / "data", "--aclfile", str(root / "users.acl"),
-            "--appendonly", "yes", "--appendfsync", "always",
+            root / "data",
+            "--aclfile",
+            str(root / "users.acl"),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
             tls=self.tls,
         )
         self.redis.start()
         query = f"ssl_ca_certs={self.tls / 'ca.crt'}&ssl_cert_reqs=required"
-        self.worker_url = f"rediss://kiln-worker:worker-secret@127.0.0.1:{self.redis.port}/0?{query}"
-        self.client_url = f"rediss://kiln-client:client-secret@127.0.0.1:{self.redis.port}/0?{query}"
+        self.worker_url = (
+            f"rediss://kiln-worker:worker-secret@127.0.0.1:{self.redis.port}/0?{query}"
+        )
+        self.client_url = (
+            f"rediss://kiln-client:client-secret@127.0.0.1:{self.redis.port}/0?{query}"
+        )
         self.anonymous_url = f"rediss://127.0.0.1:{self.redis.port}/0?{query}"
         self.manifests = slow_manifests(root / "manifests")
         self.output = root / "out"
@@ -59,7 +76,13 @@ class Deployment:
             "KILN_INDUCTOR_CACHE_DIR": str(root / "inductor"),
             "PYTHONUNBUFFERED": "1",
         }
-        self.worker = WorkerProcess(self.env_with_path(), root / "worker.log", "--models", f"{SLOW_MODEL},tiny-sd15")
+        self.worker = WorkerProcess(
+            self.env_with_path(),
+            root / "worker.log",
+            "--models",
+            f"{SLOW_MODEL},tiny-sd15",
+            code=paced(0.3),
+        )
 
     def env_with_path(self) -> dict[str, str]:
         import os
@@ -83,11 +106,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iter
 
 def test_worker_and_client_work_over_tls_with_their_acl_users(deployment: Deployment) -> None:
     client = deployment.client()
-    result = client.submit({"model": "tiny-sd15", "prompt": "over tls", "steps": 2}).wait(timeout=60)
+    result = client.submit({"model": "tiny-sd15", "prompt": "over tls", "steps": 2}).wait(
+        timeout=60
+    )
     assert Path(result.images[0].path).is_file()
-    shown = kiln("models", "--json", env={**deployment.env_with_path(), "KILN_REDIS_URL": deployment.client_url})
+    shown = kiln(
+        "models",
+        "--json",
+        env={**deployment.env_with_path(), "KILN_REDIS_URL": deployment.client_url},
+    )
     assert shown.returncode == 0, shown.stderr
-    assert {m["id"]: m for m in json.loads(shown.stdout)}["tiny-sd15"]["workers"] == [deployment.worker.name]
+    assert {m["id"]: m for m in json.loads(shown.stdout)}["tiny-sd15"]["workers"] == [
+        deployment.worker.name
+    ]
     # The ACLs are enforced: no anonymous access, and the client cannot flush the database.
     with pytest.raises((AuthenticationError, ResponseError)):
         Redis.from_url(deployment.anonymous_url).set("kiln:x", 1)
@@ -99,7 +130,9 @@ def test_worker_and_client_work_over_tls_with_their_acl_users(deployment: Deploy
 
 def test_redis_restarted_mid_job_loses_nothing(deployment: Deployment) -> None:
     client = deployment.client()
-    job = client.submit({"model": SLOW_MODEL, "prompt": "through a restart", "steps": 12, "seed": 8})
+    job = client.submit(
+        {"model": SLOW_MODEL, "prompt": "through a restart", "steps": 12, "seed": 8}
+    )
 
     def denoising() -> bool:
         progress = job.progress()

@@ -53,12 +53,12 @@ def webhook_hits() -> Iterator[tuple[str, list[str]]]:
     hits: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             hits.append(self.path)
             self.send_response(200)
             self.end_headers()
 
-        do_POST = do_GET  # noqa: N815
+        do_POST = do_GET
 
         def log_message(self, *args: Any) -> None:
             return None
@@ -75,14 +75,24 @@ def hostile_jobs(conn: Redis, canary: Path, hook: str) -> dict[str, str]:
     good = {"request": REQUEST}
     return {
         "os.system": enqueue_raw(conn, MODEL, {}, func="os.system", args=(command,)),
-        "eval": enqueue_raw(conn, MODEL, {}, func="builtins.eval", args=(f"__import__('os').system({command!r})",)),
-        "exec": enqueue_raw(conn, MODEL, {}, func="builtins.exec", args=(f"import os; os.system({command!r})",)),
-        "subprocess": enqueue_raw(conn, MODEL, {}, func="subprocess.check_call", args=(["touch", str(canary)],)),
+        "eval": enqueue_raw(
+            conn, MODEL, {}, func="builtins.eval", args=(f"__import__('os').system({command!r})",)
+        ),
+        "exec": enqueue_raw(
+            conn, MODEL, {}, func="builtins.exec", args=(f"import os; os.system({command!r})",)
+        ),
+        "subprocess": enqueue_raw(
+            conn, MODEL, {}, func="subprocess.check_call", args=(["touch", str(canary)],)
+        ),
         "import side effect": enqueue_raw(conn, MODEL, good, func=f"{IMPORT_CANARY}.s"),
-        "success callback": enqueue_raw(conn, MODEL, good, on_success=Callback(f"{IMPORT_CANARY}.s")),
+        "success callback": enqueue_raw(
+            conn, MODEL, good, on_success=Callback(f"{IMPORT_CANARY}.s")
+        ),
         "failure callback": enqueue_raw(conn, MODEL, good, on_failure=Callback("os.system")),
         "stopped callback": enqueue_raw(conn, MODEL, good, on_stopped=Callback("os.system")),
-        "webhook": enqueue_raw(conn, MODEL, good, webhooks=[Webhook(hook, "finished"), Webhook(hook, "failed")]),
+        "webhook": enqueue_raw(
+            conn, MODEL, good, webhooks=[Webhook(hook, "finished"), Webhook(hook, "failed")]
+        ),
         "positional args": enqueue_raw(conn, MODEL, {}, args=(REQUEST,)),
     }
 
@@ -113,7 +123,9 @@ def test_hostile_jobs_are_refused_unrun_and_the_worker_goes_on(
     assert plain.func is os.system
 
 
-def test_a_pickled_payload_is_never_unpickled(redis_conn: Redis, settings: Any, canary: Path) -> None:
+def test_a_pickled_payload_is_never_unpickled(
+    redis_conn: Redis, settings: Any, canary: Path
+) -> None:
     queue = Queue(keys.queue_name(MODEL), connection=redis_conn)  # RQ's default: pickle
     job = queue.enqueue_call("worker.queue.render_job", kwargs={"request": REQUEST})
     redis_conn.hset(job.key, "data", pickle.dumps((Touch(canary), None, (), {})))
@@ -128,10 +140,14 @@ def test_a_pickled_payload_is_never_unpickled(redis_conn: Redis, settings: Any, 
     assert canary.exists()
 
 
-def test_abandoned_hostile_job_runs_no_callback_during_recovery(redis_conn: Redis, settings: Any) -> None:
-    """RQ's registry cleanup calls a failed job's failure callback; kiln's queues never resolve it."""
+def test_abandoned_hostile_job_runs_no_callback_during_recovery(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """RQ's registry cleanup calls an abandoned job's failure callback; kiln's never resolves it."""
     assert IMPORT_CANARY not in sys.modules
-    job_id = enqueue_raw(redis_conn, MODEL, {"request": REQUEST}, on_failure=Callback(f"{IMPORT_CANARY}.s"))
+    job_id = enqueue_raw(
+        redis_conn, MODEL, {"request": REQUEST}, on_failure=Callback(f"{IMPORT_CANARY}.s")
+    )
     queue = Queue(keys.queue_name(MODEL), connection=redis_conn, serializer=JSONSerializer)
     # As if a worker had taken it and died: in the started registry with a lapsed heartbeat.
     redis_conn.lrem(queue.key, 0, job_id)
@@ -141,4 +157,6 @@ def test_abandoned_hostile_job_runs_no_callback_during_recovery(redis_conn: Redi
     worker.recover_abandoned()
     assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"failed"  # no retries were asked for
     assert IMPORT_CANARY not in sys.modules
-    assert isinstance(RenderJob.fetch(job_id, connection=redis_conn, serializer=JSONSerializer), RenderJob)
+    assert isinstance(
+        RenderJob.fetch(job_id, connection=redis_conn, serializer=JSONSerializer), RenderJob
+    )

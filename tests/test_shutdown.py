@@ -14,7 +14,7 @@ from rq.registry import StartedJobRegistry
 
 from api_client import KilnClient, KilnJob, keys
 from tests.helpers import records
-from tests.workers import SLOW_MODEL, WorkerProcess, slow_manifests, wait_until
+from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait_until
 
 # A worker that dies the instant after it wrote a job's files, before it could tell Redis.
 DIE_AFTER_SAVE = (
@@ -46,7 +46,7 @@ def denoising(job: KilnJob, at_least: int = 1) -> bool:
 def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], settings: Any, tmp_path: Path
 ) -> None:
-    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL)
+    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, code=paced(1.0))
     saver = WorkerProcess(env, tmp_path / "saver.log", "--models", "tiny-sd15", code=DIE_AFTER_SAVE)
     reborn: WorkerProcess | None = None
     try:
@@ -68,6 +68,7 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
         mid.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         mid.wait(timeout=30)
+
         # 3. Its heartbeat lapses within seconds and the live worker takes the job over.
         def taken_over() -> bool:
             fetched = redis_conn.hget(f"rq:job:{long.id}", "worker_name")
@@ -89,7 +90,10 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
         assert by_job[0].timings.denoise > 0 and by_job[1].timings.denoise == 0
         long_records = [r for r in records(settings.timings_log) if r.job_id == long.id]
         assert [r.status for r in long_records] == ["done"]  # the killed run left no record
-        assert StartedJobRegistry(keys.queue_name(SLOW_MODEL), connection=redis_conn).get_job_ids() == []
+        assert (
+            StartedJobRegistry(keys.queue_name(SLOW_MODEL), connection=redis_conn).get_job_ids()
+            == []
+        )
     finally:
         for proc in (mid, saver, reborn):
             if proc is not None:
@@ -100,7 +104,7 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     job = client.submit({"model": SLOW_MODEL, "prompt": "interrupted", "steps": 12, "seed": 9})
-    hurried = WorkerProcess(env, tmp_path / "hurried.log", "--models", SLOW_MODEL)
+    hurried = WorkerProcess(env, tmp_path / "hurried.log", "--models", SLOW_MODEL, code=paced(0.3))
     patient: WorkerProcess | None = None
     try:
         # 1. Two signals: the job stops at its next step and goes back to the front of its queue.
@@ -112,13 +116,17 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
         assert hurried.wait(timeout=60) == 0, hurried.output()
         assert job.status() == "queued", hurried.output()
         assert job.progress() is None, redis_conn.hget(f"rq:job:{job.id}", "meta")
-        assert redis_conn.lrange(f"rq:queue:{keys.queue_name(SLOW_MODEL)}", 0, -1) == [job.id.encode()]
+        assert redis_conn.lrange(f"rq:queue:{keys.queue_name(SLOW_MODEL)}", 0, -1) == [
+            job.id.encode()
+        ]
         assert redis_conn.hget(f"rq:job:{job.id}", "meta") is None or b"error" not in (
             redis_conn.hget(f"rq:job:{job.id}", "meta") or b""
         )
         # 2. One signal: the next worker finishes the re-queued job, then exits 0.
         later = client.submit({"model": SLOW_MODEL, "prompt": "not taken", "steps": 2})
-        patient = WorkerProcess(env, tmp_path / "patient.log", "--models", SLOW_MODEL)
+        patient = WorkerProcess(
+            env, tmp_path / "patient.log", "--models", SLOW_MODEL, code=paced(0.3)
+        )
         wait_until(lambda: denoising(job), STARTUP_S_AND_LOAD, "the re-queued job to start again")
         assert redis_conn.hget(f"rq:job:{job.id}", "worker_name") == patient.name.encode()
         patient.signal(signal.SIGTERM)

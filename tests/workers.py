@@ -19,6 +19,37 @@ from redis import Redis
 from tests.conftest import MANIFESTS, ROOT
 
 SLOW_MODEL = "tiny-slow"
+# The fake for "a long job": each denoise step also sleeps, so a test can act mid-job however
+# fast or loaded the machine is. The render itself is real. Run in a worker process via code=.
+PACED = """
+import time, worker.queue as q
+_progress = q.RQJobContext.progress
+def _paced(self, phase, step, steps):
+    _progress(self, phase, step, steps)
+    if phase == "denoise" and step:
+        time.sleep({seconds})
+q.RQJobContext.progress = _paced
+"""
+
+
+def paced(seconds: float) -> str:
+    return PACED.format(seconds=seconds)
+
+
+def pace_here(monkeypatch: Any, seconds: float) -> None:
+    """The same pacing fake for an in-process worker, undone when the test ends."""
+    import worker.queue as q
+
+    progress = q.RQJobContext.progress
+
+    def paced_progress(self: Any, phase: str, step: int, steps: int) -> None:
+        progress(self, phase, step, steps)
+        if phase == "denoise" and step:
+            time.sleep(seconds)
+
+    monkeypatch.setattr(q.RQJobContext, "progress", paced_progress)
+
+
 STARTUP_S = 90.0  # torch + diffusers import, model load; generous on a shared 2-core machine
 
 
@@ -41,7 +72,9 @@ def slow_manifests(directory: Path) -> Path:
         shutil.copy(path, directory / path.name)
     text = (MANIFESTS / "tiny-sd15.yaml").read_text()
     text = text.replace("id: tiny-sd15", f"id: {SLOW_MODEL}")
-    text = text.replace("resolutions: [[128, 128], [192, 128], [128, 192]]", "resolutions: [[256, 256]]")
+    text = text.replace(
+        "resolutions: [[128, 128], [192, 128], [128, 192]]", "resolutions: [[256, 256]]"
+    )
     assert f"id: {SLOW_MODEL}" in text and "[[256, 256]]" in text, "tiny-sd15.yaml changed shape"
     (directory / f"{SLOW_MODEL}.yaml").write_text(text)
     return directory
@@ -110,7 +143,12 @@ class RedisServer:
         argv = ["redis-server", "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
         if self.tls is not None:
             argv += ["--port", "0", "--tls-port", str(self.port)]
-            argv += ["--tls-cert-file", str(self.tls / "server.crt"), "--tls-key-file", str(self.tls / "server.key")]
+            argv += [
+                "--tls-cert-file",
+                str(self.tls / "server.crt"),
+                "--tls-key-file",
+                str(self.tls / "server.key"),
+            ]
             argv += ["--tls-ca-cert-file", str(self.tls / "ca.crt"), "--tls-auth-clients", "no"]
         else:
             argv += ["--port", str(self.port)]
@@ -143,13 +181,51 @@ def make_tls_files(directory: Path) -> Path:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-        "-days", "1", "-subj", "/CN=kiln-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kiln-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
     (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    )
     return directory
 
 
@@ -158,4 +234,3 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
-

@@ -180,7 +180,7 @@ class RenderJob(Job):
 
     @property
     def should_retry(self) -> bool:
-        # Retries are for abandoned jobs only (a dead worker); a render that failed would fail again.
+        # Retries are for abandoned jobs (a dead worker); a render that failed would fail again.
         return False
 
     def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:

@@ -1,0 +1,166 @@
+"""Bad input, generated: hypothesis throws wrong types, huge numbers, odd unicode, missing and
+extra fields, zero and negative sizes at submit() and at the raw queue. Every case is refused with
+an error naming a field, or renders; a real worker stays up and takes the next job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis import Redis
+
+from api_client import KilnClient, RenderFailed, RequestRejected
+from tests.conftest import MANIFESTS
+from tests.helpers import burst, enqueue_raw, make_renderer
+from worker.render import Renderer
+from worker.settings import Settings
+
+MODEL = "tiny-sd15"
+FIELDS = [
+    "model",
+    "prompt",
+    "negative_prompt",
+    "steps",
+    "guidance",
+    "width",
+    "height",
+    "seed",
+    "num_images",
+    "output_format",
+]
+weird_text = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet=st.characters(codec="utf-8"), min_size=3000, max_size=5000),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "\x00",
+            "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+            "🦊" * 1000,
+            "\u202e\u0301" * 50,
+            "a\nb\tc",
+        ]
+    ),
+)
+anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    weird_text,
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+plausible = {
+    "model": st.sampled_from([MODEL, "tiny-sdxl", "nope", ""]),
+    "prompt": weird_text,
+    "negative_prompt": weird_text,
+    "steps": st.integers(min_value=-5, max_value=60),
+    "guidance": st.floats(min_value=-2, max_value=20),
+    "width": st.sampled_from([0, -128, 128, 192, 4096, 10**12]),
+    "height": st.sampled_from([0, -128, 128, 192, 4096]),
+    "seed": st.integers(min_value=-10, max_value=2**33),
+    "num_images": st.integers(min_value=-1, max_value=6),
+    "output_format": st.sampled_from(["png", "webp", "jpeg", "gif", ""]),
+}
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> Any:
+    """A request dict: each field plausible, garbage, or missing; sometimes extra fields; rarely
+    not a dict at all."""
+    if draw(st.integers(0, 19)) == 0:
+        return draw(anything)
+    request: dict[str, Any] = {}
+    for name in FIELDS:
+        choice = draw(st.integers(0, 9))
+        if choice < 6:
+            request[name] = draw(plausible[name])
+        elif choice < 8:
+            request[name] = draw(anything)
+    if draw(st.booleans()):
+        request.update(draw(st.dictionaries(st.text(min_size=1, max_size=8), anything, max_size=2)))
+    return request
+
+
+def clear(message: str) -> bool:
+    """A refusal a user can act on: it says what was wrong and with which field."""
+    return message.startswith("request rejected") and ("=" in message or ":" in message)
+
+
+RUN = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@RUN
+@given(batch=st.lists(requests(), min_size=1, max_size=6))
+def test_submit_refuses_clearly_or_the_job_renders(
+    redis_conn: Redis, renderer_for_fuzz: Renderer, client_for_fuzz: KilnClient, batch: list[Any]
+) -> None:
+    accepted = []
+    for request in batch:
+        try:
+            accepted.append(client_for_fuzz.submit(request))
+        except RequestRejected as exc:
+            assert clear(str(exc)) and exc.problems, str(exc)
+    last = client_for_fuzz.submit({"model": MODEL, "prompt": "still up", "steps": 1})
+    burst(redis_conn, renderer_for_fuzz, [MODEL, "tiny-sdxl"])
+    for job in accepted:
+        assert job.wait(timeout=1).images  # the client let it through: it must render
+    assert last.wait(timeout=1).steps == 1
+
+
+@RUN
+@given(
+    batch=st.lists(
+        st.tuples(requests(), st.sampled_from(["request", "req", "extra", "none"])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_raw_payloads_are_refused_clearly_or_render(
+    redis_conn: Redis,
+    renderer_for_fuzz: Renderer,
+    client_for_fuzz: KilnClient,
+    batch: list[tuple[Any, str]],
+) -> None:
+    ids = []
+    for request, shape in batch:
+        kwargs = {"request": request, "extra": 1} if shape == "extra" else {shape: request}
+        ids.append(enqueue_raw(redis_conn, MODEL, {} if shape == "none" else kwargs))
+    last = client_for_fuzz.submit({"model": MODEL, "prompt": "still up", "steps": 1})
+    burst(redis_conn, renderer_for_fuzz, [MODEL])
+    for job_id in ids:
+        try:
+            assert client_for_fuzz.job(job_id).wait(timeout=1).images
+        except RenderFailed as exc:
+            assert exc.status == "failed"
+            assert clear(exc.message) or exc.message.startswith("refused job"), exc.message
+    assert last.wait(timeout=1).steps == 1
+
+
+# Hypothesis runs many examples per test: one renderer for them all keeps pipelines resident.
+
+
+@pytest.fixture(scope="module")
+def renderer_for_fuzz(
+    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, redis_url: str
+) -> Renderer:
+    out = tmp_path_factory.mktemp("fuzz-out")
+    settings_ = Settings(  # type: ignore[call-arg]
+        redis_url=redis_url,
+        manifests=MANIFESTS,
+        models_dir=tiny_dir,
+        output_dir=out,
+        timings_log=out / "timings.jsonl",
+        inductor_cache_dir=out / "inductor",
+    )
+    return make_renderer(settings_, [MODEL, "tiny-sdxl"])
+
+
+@pytest.fixture
+def client_for_fuzz(redis_conn: Redis) -> KilnClient:
+    return KilnClient(connection=redis_conn, manifests_dir=MANIFESTS)
