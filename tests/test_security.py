@@ -23,7 +23,7 @@ from rq.serializers import JSONSerializer
 from rq.webhook import Webhook
 
 from api_client import RenderFailed, keys
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer
+from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from worker.queue import RenderJob, make_worker
 
 MODEL = "tiny-sd15"
@@ -117,6 +117,11 @@ def test_hostile_jobs_are_refused_unrun_and_the_worker_goes_on(
     time.sleep(0.2)  # webhooks are sent synchronously; a late one would show by now
     assert hits == []
     assert after.wait(timeout=5).model == MODEL
+    # Refused jobs never reach the renderer, yet each leaves its one timing record.
+    log = {r.job_id: r for r in records(settings.timings_log)}
+    assert len(log) == len(jobs) + 1
+    for label, job_id in jobs.items():
+        assert log[job_id].status == "failed" and "refused job" in (log[job_id].error or ""), label
 
     # The test can fail: RQ's own Job resolves these names to the real callables.
     plain = Job.fetch(jobs["os.system"], connection=redis_conn, serializer=JSONSerializer)

@@ -97,3 +97,17 @@ def test_worker_publishes_manifests_fits_and_state(redis_conn: Redis, settings: 
     assert info.default_eta_s == pytest.approx(fit.fixed_s + 8 * fit.per_step_s)
     # a burst worker has exited and withdrawn its state
     assert client.workers() == []
+
+
+def test_prewarm_pays_load_and_each_size_before_the_first_job(redis_conn: Redis, settings: Any) -> None:
+    from worker.serve import warm
+
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    warm(renderer, ["tiny-sd15"], "w1")
+    warmups = records(settings.timings_log)
+    assert [(r.width, r.height) for r in warmups] == [(128, 128), (192, 128), (128, 192)]
+    assert all(r.status == "done" and r.cold and r.job_id.startswith("prewarm-") for r in warmups)
+    job = client_for(redis_conn, settings).submit({"model": "tiny-sd15", "prompt": "p", "width": 192, "height": 128})
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    assert job.wait(timeout=10).timings.load == 0
+    assert records(settings.timings_log)[-1].cold is False

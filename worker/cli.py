@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--memory-mode", choices=["auto", "full", "model_offload", "group_offload"])
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     worker.add_argument("--name", help="worker name (default: RQ's host.pid name)")
+    worker.add_argument(
+        "--prewarm", action="store_true",
+        help="render each model once per manifest resolution before taking jobs (pays load and compile up front)",
+    )
     worker.set_defaults(handler=_worker)
 
     submit = verbs.add_parser("submit", help="enqueue one render job")
@@ -122,7 +126,7 @@ def _worker(args: argparse.Namespace) -> int:
         return 1
     from worker.serve import serve
 
-    return serve(settings, manifests, burst=args.burst, name=args.name)
+    return serve(settings, manifests, burst=args.burst, name=args.name, prewarm=args.prewarm)
 
 
 def _client() -> Any:

@@ -33,7 +33,7 @@ from api_client.schema import RENDER_FUNC
 from worker import metrics
 from worker.manifest import publish_manifests
 from worker.render import JobStopped, Renderer
-from worker.timings import FitTracker
+from worker.timings import FitTracker, TimingRecord, emit
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
@@ -323,6 +323,8 @@ class KilnWorker(SimpleWorker):
         self, job: Job, queue: Queue, started_job_registry: Any = None, exc_string: str = ""
     ) -> None:
         exc, self._last_exception = self._last_exception, None
+        if self.renderer.last_record is None:
+            self._record_unrendered(job, exc)
         if isinstance(exc, ShutdownStop):
             self._requeue(job, queue)
             return
@@ -330,6 +332,24 @@ class KilnWorker(SimpleWorker):
             # RQ marks the job it was told to stop as STOPPED and never retries it.
             self._stopped_job_id = job.id
         super().handle_job_failure(job, queue, started_job_registry, exc_string)
+
+    def _record_unrendered(self, job: Job, exc: BaseException | None) -> None:
+        """Every job leaves one timing record, also one refused or stopped before rendering."""
+        try:
+            request = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
+        except Exception:  # noqa: BLE001 - an undeserializable payload has no model to name
+            request = None
+        model = request.get("model") if isinstance(request, dict) else None
+        record = TimingRecord(
+            job_id=job.id,
+            model=model if isinstance(model, str) else None,
+            status="stopped" if isinstance(exc, JobStopped) else "failed",
+            error=f"{type(exc).__name__}: {exc}" if exc is not None else "failed before rendering",
+            worker=self.name,
+            device=self.renderer.info.torch_device,
+        )
+        self.renderer.last_record = record
+        emit(record, self.renderer.settings.timings_log)
 
     def _requeue(self, job: Job, queue: Queue) -> None:
         """Back to the front of its queue, as if never started: it was stopped, not broken."""

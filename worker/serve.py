@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import structlog
 
@@ -15,7 +16,12 @@ log = structlog.get_logger("kiln.worker")
 
 
 def serve(
-    settings: Settings, manifests: dict[str, Manifest], *, burst: bool, name: str | None
+    settings: Settings,
+    manifests: dict[str, Manifest],
+    *,
+    burst: bool,
+    name: str | None,
+    prewarm: bool = False,
 ) -> int:
     logs.configure(settings.log_format)
     try:
@@ -37,6 +43,8 @@ def serve(
     connection = worker_connection(settings.redis_url)
     connection.ping()
     worker = make_worker(connection, renderer, servable, name=name)
+    if prewarm:
+        warm(renderer, servable, worker.name)
     if settings.metrics_port:
         from worker.metrics import start_metrics
 
@@ -60,6 +68,25 @@ def serve(
         "worker_exited", worker=worker.name, error="work loop ended without a shutdown request"
     )
     return 1
+
+
+def warm(renderer: Any, models: list[str], worker_name: str) -> None:
+    """Render each served model once at each manifest resolution before taking jobs, so load,
+    torch.compile (one graph per size) and allocator growth are paid at startup, not by the
+    first job of each size. Each warm-up leaves its own (cold) timing record."""
+    from worker.render import LocalContext
+
+    for model_id in models:
+        manifest = renderer.manifests[model_id]
+        for width, height in manifest.resolutions:
+            request = {"model": model_id, "prompt": "prewarm", "steps": 2, "seed": 0,
+                       "width": width, "height": height}
+            job_id = f"prewarm-{worker_name}-{model_id}-{width}x{height}"
+            try:
+                renderer.render(request, LocalContext(job_id))
+            except Exception as exc:  # noqa: BLE001 - a failed warm-up is logged; jobs will retry
+                log.warning("prewarm_failed", model=model_id, width=width, height=height, error=str(exc))
+        log.info("prewarmed", model=model_id, sizes=len(manifest.resolutions))
 
 
 def _redacted(url: str) -> str:
