@@ -1,7 +1,14 @@
 """kiln's client: submit render jobs to kiln workers through Redis. Never imports torch."""
 
 from api_client.client import KilnClient, KilnJob, ModelInfo, TimingFit
-from api_client.errors import JobTimeout, KilnError, Problem, RenderFailed, RequestRejected, UnknownJob
+from api_client.errors import (
+    JobTimeout,
+    KilnError,
+    Problem,
+    RenderFailed,
+    RequestRejected,
+    UnknownJob,
+)
 from api_client.manifest import Manifest, ManifestInvalid
 from api_client.schema import Progress, RenderRequest, RenderResult
 

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
 from rq import Queue, Retry
@@ -230,7 +230,8 @@ class KilnClient:
 
     def workers(self) -> list[dict[str, Any]]:
         """Live workers' published state (those whose heartbeat key has not expired)."""
-        names = [_text(n) for n in self.connection.zrange(keys.WORKERS_KEY, 0, -1)]
+        members = cast(list[bytes], self.connection.zrange(keys.WORKERS_KEY, 0, -1))
+        names = [_text(n) for n in members]
         if not names:
             return []
         states = self.connection.mget([keys.worker_key(n) for n in names])

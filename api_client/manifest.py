@@ -13,10 +13,25 @@ from api_client.errors import Problem, RequestRejected
 from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest
 
 Family = Literal["sd15", "sd2", "sdxl", "sd3"]
-Scheduler = Literal["dpmsolver", "dpmsolver-karras", "euler", "euler-a", "euler-trailing", "ddim", "lcm", "flow-euler"]
+Scheduler = Literal[
+    "dpmsolver",
+    "dpmsolver-karras",
+    "euler",
+    "euler-a",
+    "euler-trailing",
+    "ddim",
+    "lcm",
+    "flow-euler",
+]
 Switch = Literal["auto", "on", "off"]
 SwitchName = Literal[
-    "sdpa", "channels_last", "compile", "quantize", "vae_tiling", "attention_slicing", "taesd_preview"
+    "sdpa",
+    "channels_last",
+    "compile",
+    "quantize",
+    "vae_tiling",
+    "attention_slicing",
+    "taesd_preview",
 ]
 QuantScheme = Literal["int8", "int8_dynamic", "int4", "fp8"]
 LowerRung = Literal["model_offload", "group_offload"]
@@ -75,7 +90,9 @@ class Manifest(_Strict):
             if width < 64 or height < 64 or width > 4096 or height > 4096:
                 raise ValueError(f"{width}x{height} is outside 64..4096 px")
             if width % 8 or height % 8:
-                raise ValueError(f"{width}x{height} is not a multiple of 8 (the VAE's downscale factor)")
+                raise ValueError(
+                    f"{width}x{height} is not a multiple of 8 (the VAE's downscale factor)"
+                )
         return sizes
 
     @field_validator("rung_vram_gb")
@@ -92,12 +109,14 @@ class Manifest(_Strict):
 
 
 def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest:
-    """Fill defaults from the manifest and check every limit; raise RequestRejected naming each break.
+    """Fill defaults from the manifest and check every limit; RequestRejected names each break.
 
     Nothing is clamped: a value over its limit is an error, not a quietly smaller job.
     """
     if request.model != manifest.id:
-        raise RequestRejected([Problem("model", request.model, f"does not match manifest {manifest.id!r}")])
+        raise RequestRejected(
+            [Problem("model", request.model, f"does not match manifest {manifest.id!r}")]
+        )
     problems: list[Problem] = []
     steps = manifest.steps.default if request.steps is None else request.steps
     guidance = manifest.guidance.default if request.guidance is None else request.guidance
@@ -111,14 +130,22 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     for field in ("prompt", "negative_prompt"):
         text: str = getattr(request, field)
         if len(text) > MAX_PROMPT_CHARS:
-            problems.append(Problem(field, f"<{len(text)} chars>", f"exceeds {MAX_PROMPT_CHARS} characters"))
+            problems.append(
+                Problem(field, f"<{len(text)} chars>", f"exceeds {MAX_PROMPT_CHARS} characters")
+            )
         elif "\x00" in text:
             problems.append(Problem(field, text[:40], "must not contain NUL characters"))
     if not 1 <= steps <= manifest.steps.max:
-        problems.append(Problem("steps", steps, f"must be between 1 and {manifest.steps.max} (manifest max)"))
+        problems.append(
+            Problem("steps", steps, f"must be between 1 and {manifest.steps.max} (manifest max)")
+        )
     if not math.isfinite(guidance) or not 0 <= guidance <= manifest.guidance.max:
         problems.append(
-            Problem("guidance", guidance, f"must be between 0 and {manifest.guidance.max} (manifest cap)")
+            Problem(
+                "guidance",
+                guidance,
+                f"must be between 0 and {manifest.guidance.max} (manifest cap)",
+            )
         )
     if (width, height) not in {tuple(size) for size in manifest.resolutions}:
         allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
@@ -126,11 +153,19 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     if not 0 <= seed <= MAX_SEED:
         problems.append(Problem("seed", seed, f"must be between 0 and {MAX_SEED}"))
     if not 1 <= request.num_images <= MAX_IMAGES:
-        problems.append(Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}"))
+        problems.append(
+            Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
+        )
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
-        update={"steps": steps, "guidance": float(guidance), "width": width, "height": height, "seed": seed}
+        update={
+            "steps": steps,
+            "guidance": float(guidance),
+            "width": width,
+            "height": height,
+            "seed": seed,
+        }
     )
 
 
@@ -142,7 +177,13 @@ def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Ma
         raise RequestRejected([Problem("model", request.model, f"unknown model; known: {known}")])
     if manifest.benchmark_only:
         raise RequestRejected(
-            [Problem("model", request.model, "is benchmark_only: listed for `kiln bench`, refused for jobs")]
+            [
+                Problem(
+                    "model",
+                    request.model,
+                    "is benchmark_only: listed for `kiln bench`, refused for jobs",
+                )
+            ]
         )
     return manifest
 
@@ -155,7 +196,9 @@ def load_manifest_file(path: Path) -> Manifest:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ManifestInvalid(path, [Problem("(file)", str(path), f"unreadable YAML: {exc}")]) from None
+        raise ManifestInvalid(
+            path, [Problem("(file)", str(path), f"unreadable YAML: {exc}")]
+        ) from None
     if not isinstance(data, dict):
         raise ManifestInvalid(path, [Problem("(file)", _type_name(data), "must be a YAML mapping")])
     problems: list[Problem] = []
@@ -167,14 +210,18 @@ def load_manifest_file(path: Path) -> Manifest:
             problems.append(Problem(field, err.get("input"), err["msg"]))
         raise ManifestInvalid(path, problems) from None
     if manifest.id != path.stem:
-        raise ManifestInvalid(path, [Problem("id", manifest.id, f"must equal the file stem {path.stem!r}")])
+        raise ManifestInvalid(
+            path, [Problem("id", manifest.id, f"must equal the file stem {path.stem!r}")]
+        )
     return manifest
 
 
 def load_manifest_dir(directory: Path) -> tuple[dict[str, Manifest], list[ManifestInvalid]]:
-    """Every *.yaml / *.yml manifest in directory, and the files that failed (all of them, not the first)."""
+    """Every manifest (*.yaml, *.yml) in directory, and every file that failed."""
     if not directory.is_dir():
-        bad = ManifestInvalid(directory, [Problem("(dir)", str(directory), "manifest directory not found")])
+        bad = ManifestInvalid(
+            directory, [Problem("(dir)", str(directory), "manifest directory not found")]
+        )
         return {}, [bad]
     manifests: dict[str, Manifest] = {}
     failures: list[ManifestInvalid] = []
@@ -185,7 +232,9 @@ def load_manifest_dir(directory: Path) -> tuple[dict[str, Manifest], list[Manife
             failures.append(exc)
             continue
         if manifest.id in manifests:
-            failures.append(ManifestInvalid(path, [Problem("id", manifest.id, "duplicate id in directory")]))
+            failures.append(
+                ManifestInvalid(path, [Problem("id", manifest.id, "duplicate id in directory")])
+            )
             continue
         manifests[manifest.id] = manifest
     return manifests, failures

@@ -45,7 +45,7 @@ class RenderRequest(BaseModel):
 
     @classmethod
     def parse(cls, payload: Any) -> RenderRequest:
-        """Build from untrusted data (a queue payload, a CLI dict); every type problem names its field."""
+        """Build from untrusted data (a queue payload, a CLI dict); each problem names its field."""
         if isinstance(payload, RenderRequest):
             return payload
         if not isinstance(payload, dict):
@@ -54,7 +54,11 @@ class RenderRequest(BaseModel):
             return cls.model_validate(payload)
         except ValidationError as exc:
             problems = [
-                Problem(".".join(str(p) for p in err["loc"]) or "request", _short(err.get("input")), err["msg"])
+                Problem(
+                    ".".join(str(p) for p in err["loc"]) or "request",
+                    _short(err.get("input")),
+                    err["msg"],
+                )
                 for err in exc.errors()
             ]
             model = payload.get("model") if isinstance(payload.get("model"), str) else None

@@ -62,15 +62,20 @@ def main() -> int:
 
     t0 = time.perf_counter()
     build_tiny_models(settings.models_dir)
-    console.print(f"[bold]models[/]: tiny-sd15, tiny-sdxl, tiny-sd3 in {settings.models_dir} "
-                  f"({time.perf_counter() - t0:.1f} s)")
+    console.print(
+        f"[bold]models[/]: tiny-sd15, tiny-sdxl, tiny-sd3 in {settings.models_dir} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
 
     # 3. Enqueue the suite through the client (validated against the manifests).
     suite = json.loads(args.suite.read_text())
     client = KilnClient(url, manifests_dir=settings.manifests)
     jobs = [client.submit(request) for request in suite["jobs"]]
     models = sorted({request["model"] for request in suite["jobs"]})
-    console.print(f"[bold]queued[/]: {len(jobs)} jobs from {args.suite.relative_to(ROOT)} on {len(models)} queues")
+    console.print(
+        f"[bold]queued[/]: {len(jobs)} jobs from {args.suite.relative_to(ROOT)} "
+        f"on {len(models)} queues"
+    )
 
     # 4. One burst worker, its JSON log lines kept in run/worker.log.
     log_path = ROOT / "run" / "worker.log"
@@ -78,7 +83,10 @@ def main() -> int:
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
             [sys.executable, "-m", "worker.cli", "worker", "--burst", "--models", ",".join(models)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
         )
         failed = follow(jobs, worker)
     if worker.returncode != 0:
@@ -91,9 +99,13 @@ def main() -> int:
     console.print(phase_table(records, title="per-job phase timings (seconds)"))
     console.print(summary_table(summarize(records)))
     console.print(f"[bold]images[/]: {settings.output_dir.resolve()}/<job id>/")
-    console.print(f"[bold]timing log[/]: {settings.timings_log.resolve()} (`kiln timings` reads it)")
+    console.print(
+        f"[bold]timing log[/]: {settings.timings_log.resolve()} (`kiln timings` reads it)"
+    )
     console.print(f"[bold]worker log[/]: {log_path}")
-    console.print(f"done in {time.perf_counter() - started:.1f} s; {len(jobs) - failed} ok, {failed} failed")
+    console.print(
+        f"done in {time.perf_counter() - started:.1f} s; {len(jobs) - failed} ok, {failed} failed"
+    )
     if server is not None:
         server.shutdown()  # type: ignore[attr-defined]
     return 1 if failed else 0
@@ -104,7 +116,10 @@ def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-ar
     failed = 0
     pending = list(jobs)
     with Progress(
-        TextColumn("[bold]{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("[bold]{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
         console=console,
     ) as bar:
         overall = bar.add_task("jobs", total=len(jobs))
@@ -123,8 +138,12 @@ def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-ar
             if pending:
                 progress = pending[0].progress()
                 if progress is not None:
-                    bar.update(current, description=f"{pending[0].id[:8]} {progress.phase}",
-                               completed=progress.step, total=progress.steps or None)
+                    bar.update(
+                        current,
+                        description=f"{pending[0].id[:8]} {progress.phase}",
+                        completed=progress.step,
+                        total=progress.steps or None,
+                    )
             else:
                 bar.update(current, description="all done", completed=1, total=1)
             if worker.poll() is not None and pending:

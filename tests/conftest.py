@@ -39,9 +39,21 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.shutdown()
         return
     process = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(socket), "--save", "", "--appendonly", "no",
-         "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(socket),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"unix://{socket}?db={TEST_DB}"
     deadline = time.monotonic() + 10
@@ -119,7 +131,9 @@ def kiln_env(settings) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return env
 
 
-def kiln(*args: str, env: dict[str, str], timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+def kiln(
+    *args: str, env: dict[str, str], timeout: float = 120, check: bool = False
+) -> subprocess.CompletedProcess[str]:
     """Run the real `kiln` command line in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "worker.cli", *args],

@@ -34,7 +34,13 @@ def records(log: Path) -> list[TimingRecord]:
     return list(read_records(log)) if log.exists() else []
 
 
-def enqueue_raw(conn: Redis, model: str, kwargs: dict[str, Any], func: str = "worker.queue.render_job", **options: Any) -> str:
+def enqueue_raw(
+    conn: Redis,
+    model: str,
+    kwargs: dict[str, Any],
+    func: str = "worker.queue.render_job",
+    **options: Any,
+) -> str:
     """Put a job on a kiln queue without the client's validation, as a hostile producer could."""
     from rq import Queue
     from rq.serializers import JSONSerializer

@@ -25,39 +25,81 @@ print([m for m in ("torch", "diffusers", "transformers") if m in sys.modules])
 
 @pytest.mark.parametrize(
     "code",
-    ["import api_client", "from worker.cli import main; main(['--help'])", "import worker.settings"],
+    [
+        "import api_client",
+        "from worker.cli import main; main(['--help'])",
+        "import worker.settings",
+    ],
     ids=["import api_client", "kiln --help", "settings"],
 )
 def test_light_paths_never_import_torch(code: str) -> None:
     done = subprocess.run(
         [sys.executable, "-c", NO_TORCH.format(code=code)],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_submit_rejects_with_a_message_naming_field_value_and_limit(kiln_env: dict[str, str], redis_conn: Redis) -> None:
+def test_submit_rejects_with_a_message_naming_field_value_and_limit(
+    kiln_env: dict[str, str], redis_conn: Redis
+) -> None:
     done = kiln("submit", "a fox", "--model", "tiny-sd15", "--steps", "99", env=kiln_env)
     assert done.returncode == 2
     assert "steps=99" in done.stderr and "50" in done.stderr
     assert redis_conn.keys("rq:job:*") == []
 
 
-def test_submit_wait_json_through_a_real_worker_process(kiln_env: dict[str, str], redis_conn: Redis, settings: Any) -> None:
+def test_submit_wait_json_through_a_real_worker_process(
+    kiln_env: dict[str, str], redis_conn: Redis, settings: Any
+) -> None:
     worker = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker", "--models", "tiny-sd15"],
-        env=kiln_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=kiln_env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
-        done = kiln("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5",
-                    "--wait", "--json", "--timeout", "120", env=kiln_env, timeout=180)
+        done = kiln(
+            "submit",
+            "a red fox",
+            "--model",
+            "tiny-sd15",
+            "--steps",
+            "3",
+            "--seed",
+            "5",
+            "--wait",
+            "--json",
+            "--timeout",
+            "120",
+            env=kiln_env,
+            timeout=180,
+        )
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["model"] == "tiny-sd15" and result["seed"] == 5 and result["steps"] == 3
         assert Path(result["images"][0]["path"]).is_file()
-        human = kiln("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5",
-                     "--wait", "--timeout", "120", env=kiln_env, timeout=180)
+        human = kiln(
+            "submit",
+            "a red fox",
+            "--model",
+            "tiny-sd15",
+            "--steps",
+            "3",
+            "--seed",
+            "5",
+            "--wait",
+            "--timeout",
+            "120",
+            env=kiln_env,
+            timeout=180,
+        )
         assert human.returncode == 0, human.stderr
         assert "done" in human.stdout and result["images"][0]["sha256"][:16] in human.stdout
         models = kiln("models", "--json", env=kiln_env)
@@ -72,7 +114,9 @@ def test_submit_wait_json_through_a_real_worker_process(kiln_env: dict[str, str]
     assert len(timing) == 2 and all(line["status"] == "done" for line in timing)
 
 
-def test_manifests_publish_then_client_validates_against_redis(kiln_env: dict[str, str], redis_conn: Redis) -> None:
+def test_manifests_publish_then_client_validates_against_redis(
+    kiln_env: dict[str, str], redis_conn: Redis
+) -> None:
     done = kiln("manifests", "publish", env=kiln_env)
     assert done.returncode == 0, done.stderr
     assert redis_conn.hexists("kiln:manifests", "tiny-sd3")

@@ -24,8 +24,17 @@ min_vram_gb: 0.1
 def test_shipped_manifests_are_valid() -> None:
     manifests, failures = load_manifest_dir(MANIFESTS)
     assert failures == []
-    expected = {"tiny-sd15", "tiny-sdxl", "tiny-sd3", "sd-turbo", "sdxl-turbo", "sdxl-base",
-                "ssd-1b", "ssd-1b-lightning", "sd35-medium"}
+    expected = {
+        "tiny-sd15",
+        "tiny-sdxl",
+        "tiny-sd3",
+        "sd-turbo",
+        "sdxl-turbo",
+        "sdxl-base",
+        "ssd-1b",
+        "ssd-1b-lightning",
+        "sd35-medium",
+    }
     assert expected <= set(manifests)
     assert manifests["sd35-medium"].quantize == {"text_encoder_3": "int8"}
     for distilled in ("sd-turbo", "sdxl-turbo", "ssd-1b-lightning"):
@@ -75,8 +84,12 @@ def test_check_names_file_field_value_and_rule(
     assert "1 valid, 1 invalid" in done.stdout
 
 
-def test_check_reports_every_problem_in_every_file(tmp_path: Path, kiln_env: dict[str, str]) -> None:
-    (tmp_path / "a.yaml").write_text(GOOD.format(id="a").replace("min_vram_gb: 0.1", "min_vram_gb: -1") + "x: 1\n")
+def test_check_reports_every_problem_in_every_file(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
+    (tmp_path / "a.yaml").write_text(
+        GOOD.format(id="a").replace("min_vram_gb: 0.1", "min_vram_gb: -1") + "x: 1\n"
+    )
     (tmp_path / "b.yaml").write_text("just a string\n")
     done = kiln("manifests", "check", str(tmp_path), env=kiln_env)
     assert done.returncode == 1
@@ -85,12 +98,16 @@ def test_check_reports_every_problem_in_every_file(tmp_path: Path, kiln_env: dic
     assert "b.yaml" in done.stderr and "YAML mapping" in done.stderr
 
 
-def test_worker_refuses_to_start_on_an_invalid_manifest(tmp_path: Path, kiln_env: dict[str, str]) -> None:
+def test_worker_refuses_to_start_on_an_invalid_manifest(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
     (tmp_path / "bad.yaml").write_text(_broken_text("max below default"))
     env = {**kiln_env, "KILN_MANIFESTS": str(tmp_path)}
     done = kiln("worker", "--burst", env=env)
     assert done.returncode == 1
-    assert "refusing to start" in done.stderr and "bad.yaml" in done.stderr and "steps" in done.stderr
+    assert (
+        "refusing to start" in done.stderr and "bad.yaml" in done.stderr and "steps" in done.stderr
+    )
 
 
 def test_worker_refuses_models_it_has_no_manifest_for(kiln_env: dict[str, str]) -> None:

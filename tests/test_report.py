@@ -15,13 +15,21 @@ from worker.timings import TimingRecord
 
 
 def _record(model: str, total: float, cold: bool = False, status: str = "done") -> TimingRecord:
-    return TimingRecord(job_id=f"j{total}", model=model, status=status, cold=cold,  # type: ignore[arg-type]
-                        timings=Timings(denoise=total * 0.8, total=total), steps=8)
+    return TimingRecord(
+        job_id=f"j{total}",
+        model=model,
+        status=status,
+        cold=cold,  # type: ignore[arg-type]
+        timings=Timings(denoise=total * 0.8, total=total),
+        steps=8,
+    )
 
 
 def test_summary_excludes_cold_and_failed_runs_and_measures_drift() -> None:
     records = [_record("a", 100.0, cold=True), _record("a", 9.0, status="failed")]
-    records += [_record("a", 1.0 + i * 0.01) for i in range(10)] + [_record("a", 2.0 + i * 0.01) for i in range(10)]
+    records += [_record("a", 1.0 + i * 0.01) for i in range(10)] + [
+        _record("a", 2.0 + i * 0.01) for i in range(10)
+    ]
     [summary] = summarize(records, window=10)
     assert summary.jobs == 20 and summary.cold == 1 and summary.failed == 1
     assert summary.phases["total"].median < 100
@@ -36,30 +44,65 @@ def test_percentile_and_fit() -> None:
     assert linear_fit([(8, 1.0), (8, 1.1)]) is None
 
 
-def test_timings_verb_reads_the_log_writes_csv_and_chart(tmp_path: Path, kiln_env: dict[str, str]) -> None:
+def test_timings_verb_reads_the_log_writes_csv_and_chart(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
     log = tmp_path / "t.jsonl"
     records = [_record("tiny-sd15", 0.2 + i / 100, cold=i == 0) for i in range(6)]
     log.write_text("".join(r.model_dump_json() + "\n" for r in records) + "{not json\n")
-    done = kiln("timings", str(log), "--csv", str(tmp_path / "t.csv"), "--chart", str(tmp_path / "t.png"),
-                "--last", "3", env=kiln_env)
+    done = kiln(
+        "timings",
+        str(log),
+        "--csv",
+        str(tmp_path / "t.csv"),
+        "--chart",
+        str(tmp_path / "t.png"),
+        "--last",
+        "3",
+        env=kiln_env,
+    )
     assert done.returncode == 0, done.stderr
     assert "tiny-sd15" in done.stdout and "median / p90" in done.stdout
-    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    with open(tmp_path / "t.csv") as handle:
+        rows = list(csv.DictReader(handle))
     assert len(rows) == 6 and rows[0]["model"] == "tiny-sd15"
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert kiln("timings", str(tmp_path / "missing.jsonl"), env=kiln_env).returncode == 1
 
 
-def test_bench_runs_a_matrix_in_process_and_compares_rungs(tmp_path: Path, kiln_env: dict[str, str]) -> None:
+def test_bench_runs_a_matrix_in_process_and_compares_rungs(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
     suite = tmp_path / "suite.json"
     suite.write_text(json.dumps({"prompts": [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]}))
     matrix = tmp_path / "matrix.json"
-    matrix.write_text(json.dumps({"cells": [
-        {"model": "tiny-sd15", "steps": [2, 4], "sizes": [[128, 128]]},
-        {"model": "tiny-sd15", "steps": [2], "sizes": [[128, 128]], "settings": {"memory_mode": "model_offload"}},
-    ]}))
+    matrix.write_text(
+        json.dumps(
+            {
+                "cells": [
+                    {"model": "tiny-sd15", "steps": [2, 4], "sizes": [[128, 128]]},
+                    {
+                        "model": "tiny-sd15",
+                        "steps": [2],
+                        "sizes": [[128, 128]],
+                        "settings": {"memory_mode": "model_offload"},
+                    },
+                ]
+            }
+        )
+    )
     out = tmp_path / "out"
-    done = kiln("bench", "--suite", str(suite), "--matrix", str(matrix), "--out", str(out), env=kiln_env, timeout=300)
+    done = kiln(
+        "bench",
+        "--suite",
+        str(suite),
+        "--matrix",
+        str(matrix),
+        "--out",
+        str(out),
+        env=kiln_env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "memory_mode=model_offload" in done.stdout and "linear fit" in done.stdout
     lines = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
@@ -68,9 +111,21 @@ def test_bench_runs_a_matrix_in_process_and_compares_rungs(tmp_path: Path, kiln_
     assert (out / "phases.png").is_file() and (out / "timings.csv").is_file()
 
 
-def test_profile_writes_a_trace_with_kiln_phases(tmp_path: Path, kiln_env: dict[str, str], settings: Any) -> None:
+def test_profile_writes_a_trace_with_kiln_phases(
+    tmp_path: Path, kiln_env: dict[str, str], settings: Any
+) -> None:
     trace = tmp_path / "trace.json"
-    done = kiln("profile", "--model", "tiny-sd3", "--steps", "2", "--trace", str(trace), env=kiln_env, timeout=300)
+    done = kiln(
+        "profile",
+        "--model",
+        "tiny-sd3",
+        "--steps",
+        "2",
+        "--trace",
+        str(trace),
+        env=kiln_env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "kiln.denoise" in done.stdout
     events = json.loads(trace.read_text())["traceEvents"]

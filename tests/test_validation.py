@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from redis import Redis
 from pydantic import ValidationError
+from redis import Redis
 
 from api_client import RenderFailed, RenderRequest, RequestRejected
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
@@ -35,7 +35,9 @@ REJECTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("label", "overrides", "field", "rule"), REJECTIONS, ids=[r[0] for r in REJECTIONS])
+@pytest.mark.parametrize(
+    ("label", "overrides", "field", "rule"), REJECTIONS, ids=[r[0] for r in REJECTIONS]
+)
 def test_client_rejects_before_enqueueing(
     redis_conn: Redis, settings: Any, label: str, overrides: dict[str, Any], field: str, rule: str
 ) -> None:
@@ -48,10 +50,17 @@ def test_client_rejects_before_enqueueing(
     assert redis_conn.keys("rq:job:*") == []  # nothing was enqueued
 
 
-def test_defaults_come_from_the_manifest_and_nothing_is_clamped(redis_conn: Redis, settings: Any) -> None:
+def test_defaults_come_from_the_manifest_and_nothing_is_clamped(
+    redis_conn: Redis, settings: Any
+) -> None:
     client = client_for(redis_conn, settings)
     resolved = client.validate({"model": "tiny-sdxl", "prompt": "p"})
-    assert (resolved.steps, resolved.guidance, resolved.width, resolved.height) == (8, 6.0, 128, 128)
+    assert (resolved.steps, resolved.guidance, resolved.width, resolved.height) == (
+        8,
+        6.0,
+        128,
+        128,
+    )
     assert resolved.seed is not None and 0 <= resolved.seed < 2**32
     limit = client.validate({"model": "tiny-sdxl", "prompt": "p", "steps": 50, "guidance": 12.0})
     assert (limit.steps, limit.guidance) == (50, 12.0)
@@ -61,7 +70,10 @@ def test_benchmark_only_models_are_refused_for_jobs(redis_conn: Redis, settings:
     from worker.manifest import load_manifests, publish_manifests
 
     manifests = load_manifests(settings.manifests, ["tiny-sd15"])
-    publish_manifests(redis_conn, {"tiny-sd15": manifests["tiny-sd15"].model_copy(update={"benchmark_only": True})})
+    publish_manifests(
+        redis_conn,
+        {"tiny-sd15": manifests["tiny-sd15"].model_copy(update={"benchmark_only": True})},
+    )
     with pytest.raises(RequestRejected, match="benchmark_only"):
         client_for(redis_conn, settings).submit(BASE)
 
@@ -85,7 +97,9 @@ WORKER_REJECTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("label", "payload", "words"), WORKER_REJECTIONS, ids=[r[0] for r in WORKER_REJECTIONS])
+@pytest.mark.parametrize(
+    ("label", "payload", "words"), WORKER_REJECTIONS, ids=[r[0] for r in WORKER_REJECTIONS]
+)
 def test_worker_revalidates_raw_payloads_and_takes_the_next_job(
     redis_conn: Redis, settings: Any, label: str, payload: Any, words: str
 ) -> None:

@@ -1,4 +1,4 @@
-"""The walking skeleton end to end: client -> Redis -> resident-pipeline worker -> files + result."""
+"""The walking skeleton end to end: client -> Redis -> resident worker -> files, result."""
 
 from __future__ import annotations
 
@@ -19,12 +19,20 @@ FAMILIES = ["tiny-sd15", "tiny-sdxl", "tiny-sd3"]
 @pytest.mark.parametrize("model", FAMILIES)
 def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> None:
     client = client_for(redis_conn, settings)
-    job = client.submit({"model": model, "prompt": "a red fox", "steps": 3, "seed": 7, "num_images": 2})
+    job = client.submit(
+        {"model": model, "prompt": "a red fox", "steps": 3, "seed": 7, "num_images": 2}
+    )
     assert job.status() == "queued"
     burst(redis_conn, make_renderer(settings, [model]), [model])
     result = job.wait(timeout=10)
 
-    assert (result.model, result.seed, result.steps, result.width, result.height) == (model, 7, 3, 128, 128)
+    assert (result.model, result.seed, result.steps, result.width, result.height) == (
+        model,
+        7,
+        3,
+        128,
+        128,
+    )
     assert (result.rung, result.device, result.dtype) == ("full", "cpu", "fp32")
     assert [a.outcome for a in result.attempts] == ["ok"]
     assert len(result.images) == 2 and result.images[0].sha256 != result.images[1].sha256
@@ -37,7 +45,9 @@ def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> N
 
     t = result.timings
     assert all(getattr(t, phase) >= 0 for phase in PHASES)
-    assert t.load > 0 and t.text_encode > 0 and t.denoise > 0 and t.decode > 0 and t.image_encode > 0
+    assert (
+        t.load > 0 and t.text_encode > 0 and t.denoise > 0 and t.decode > 0 and t.image_encode > 0
+    )
     after_wait = sum(getattr(t, p) for p in PHASES if p not in ("queue_wait", "total"))
     assert after_wait == pytest.approx(t.total, rel=0.05)
     assert t.queue_wait > 0
@@ -49,7 +59,9 @@ def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> N
     assert record.per_step_s and record.per_step_s > 0
 
 
-def test_same_request_gives_the_same_bytes_and_another_seed_does_not(redis_conn: Redis, settings: Any) -> None:
+def test_same_request_gives_the_same_bytes_and_another_seed_does_not(
+    redis_conn: Redis, settings: Any
+) -> None:
     client = client_for(redis_conn, settings)
     request = {"model": "tiny-sd15", "prompt": "determinism", "steps": 3, "seed": 1234}
     first, second = client.submit(request), client.submit(request)
@@ -60,12 +72,16 @@ def test_same_request_gives_the_same_bytes_and_another_seed_does_not(redis_conn:
     assert digest(other) != digest(first)
 
 
-def test_unknown_model_job_fails_clearly_and_the_worker_goes_on(redis_conn: Redis, settings: Any) -> None:
+def test_unknown_model_job_fails_clearly_and_the_worker_goes_on(
+    redis_conn: Redis, settings: Any
+) -> None:
     """A job for a model this worker has no manifest for, on a queue it listens to."""
     bad = enqueue_raw(redis_conn, "tiny-sd15", {"request": {"model": "sd9-ultra", "prompt": "x"}})
-    good = client_for(redis_conn, settings).submit({"model": "tiny-sd15", "prompt": "ok", "steps": 2})
+    good = client_for(redis_conn, settings).submit(
+        {"model": "tiny-sd15", "prompt": "ok", "steps": 2}
+    )
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
-    with pytest.raises(RenderFailed, match="sd9-ultra.*unknown model"):
+    with pytest.raises(RenderFailed, match=r"sd9-ultra.*unknown model"):
         client_for(redis_conn, settings).job(bad).wait(timeout=5)
     assert good.wait(timeout=5).model == "tiny-sd15"
 
@@ -73,7 +89,10 @@ def test_unknown_model_job_fails_clearly_and_the_worker_goes_on(redis_conn: Redi
 def test_two_models_alternate_without_reloading(redis_conn: Redis, settings: Any) -> None:
     client = client_for(redis_conn, settings)
     order = ["tiny-sd15", "tiny-sdxl", "tiny-sd15", "tiny-sdxl"]
-    jobs = [client.submit({"model": m, "prompt": "alternate", "steps": 2, "seed": i}) for i, m in enumerate(order)]
+    jobs = [
+        client.submit({"model": m, "prompt": "alternate", "steps": 2, "seed": i})
+        for i, m in enumerate(order)
+    ]
     renderer = make_renderer(settings, ["tiny-sd15", "tiny-sdxl"])
     worker = burst(redis_conn, renderer, ["tiny-sd15", "tiny-sdxl"])
     loads = [job.wait(timeout=10).timings.load for job in jobs]
@@ -99,7 +118,9 @@ def test_worker_publishes_manifests_fits_and_state(redis_conn: Redis, settings: 
     assert client.workers() == []
 
 
-def test_prewarm_pays_load_and_each_size_before_the_first_job(redis_conn: Redis, settings: Any) -> None:
+def test_prewarm_pays_load_and_each_size_before_the_first_job(
+    redis_conn: Redis, settings: Any
+) -> None:
     from worker.serve import warm
 
     renderer = make_renderer(settings, ["tiny-sd15"])
@@ -107,7 +128,9 @@ def test_prewarm_pays_load_and_each_size_before_the_first_job(redis_conn: Redis,
     warmups = records(settings.timings_log)
     assert [(r.width, r.height) for r in warmups] == [(128, 128), (192, 128), (128, 192)]
     assert all(r.status == "done" and r.cold and r.job_id.startswith("prewarm-") for r in warmups)
-    job = client_for(redis_conn, settings).submit({"model": "tiny-sd15", "prompt": "p", "width": 192, "height": 128})
+    job = client_for(redis_conn, settings).submit(
+        {"model": "tiny-sd15", "prompt": "p", "width": 192, "height": 128}
+    )
     burst(redis_conn, renderer, ["tiny-sd15"])
     assert job.wait(timeout=10).timings.load == 0
     assert records(settings.timings_log)[-1].cold is False

@@ -4,6 +4,7 @@ seconds = fixed + steps * per_step per model and size."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.report import percentile, write_chart, write_csv, summarize
+from worker.report import percentile, summarize, write_chart, write_csv
 from worker.settings import Settings
 from worker.timings import TimingRecord
 
@@ -75,8 +76,13 @@ def plan(suite: Suite, matrix: Matrix) -> list[tuple[Cell, dict[str, Any]]]:
             for _ in range(matrix.repeat):
                 for index, prompt in enumerate(suite.prompts):
                     request: dict[str, Any] = {
-                        "model": cell.model, "steps": steps, "width": width, "height": height,
-                        "seed": index, "num_images": cell.num_images, **prompt,
+                        "model": cell.model,
+                        "steps": steps,
+                        "width": width,
+                        "height": height,
+                        "seed": index,
+                        "num_images": cell.num_images,
+                        **prompt,
                     }
                     if cell.guidance is not None:
                         request["guidance"] = cell.guidance
@@ -84,8 +90,12 @@ def plan(suite: Suite, matrix: Matrix) -> list[tuple[Cell, dict[str, Any]]]:
     return requests
 
 
-def run_in_process(base: Settings, requests: list[tuple[Cell, dict[str, Any]]], manifests: dict[str, Any],
-                   on_done: Any) -> list[tuple[Cell, TimingRecord]]:
+def run_in_process(
+    base: Settings,
+    requests: list[tuple[Cell, dict[str, Any]]],
+    manifests: dict[str, Any],
+    on_done: Any,
+) -> list[tuple[Cell, TimingRecord]]:
     """Render directly (no queue), one Renderer per distinct settings override."""
     from worker.render import LocalContext, Renderer
 
@@ -98,18 +108,18 @@ def run_in_process(base: Settings, requests: list[tuple[Cell, dict[str, Any]]], 
                 other.cache.evict_others(keep=None)
             renderers[key] = Renderer(base.model_copy(update=cell.settings), manifests)
         renderer = renderers[key]
-        try:
+        # A failed point is recorded (status, error) and reported; the run goes on.
+        with contextlib.suppress(Exception):
             renderer.render(request, LocalContext(f"bench-{uuid.uuid4().hex[:12]}"))
-        except Exception:  # noqa: BLE001 - a failed point is recorded and reported, the run goes on
-            pass
         assert renderer.last_record is not None
         done.append((cell, renderer.last_record))
         on_done()
     return done
 
 
-def run_through_queue(base: Settings, requests: list[tuple[Cell, dict[str, Any]]], on_done: Any,
-                      timeout: float) -> list[tuple[Cell, TimingRecord]]:
+def run_through_queue(
+    base: Settings, requests: list[tuple[Cell, dict[str, Any]]], on_done: Any, timeout: float
+) -> list[tuple[Cell, TimingRecord]]:
     """Submit through the client and wait, so the numbers include the real dispatch path."""
     from api_client import KilnClient, RenderFailed
 
@@ -118,10 +128,17 @@ def run_through_queue(base: Settings, requests: list[tuple[Cell, dict[str, Any]]
     seen: set[tuple[str, int, int]] = set()
     for cell, request in requests:
         if cell.settings:
-            raise ValueError("--through-queue runs with the workers' settings; cells may not set any")
+            raise ValueError(
+                "--through-queue runs with the workers' settings; cells may not set any"
+            )
         job = client.submit(request)
-        record = TimingRecord(job_id=job.id, model=request["model"], steps=request["steps"],
-                              width=request["width"], height=request["height"])
+        record = TimingRecord(
+            job_id=job.id,
+            model=request["model"],
+            steps=request["steps"],
+            width=request["width"],
+            height=request["height"],
+        )
         try:
             result = job.wait(timeout=timeout)
             record.status, record.timings, record.rung = "done", result.timings, result.rung
@@ -142,8 +159,12 @@ def group(done: list[tuple[Cell, TimingRecord]]) -> list[Group]:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(cell.settings.items())) or "defaults"
         key = (record.model, record.width, record.height, record.steps, settings)
         if key not in groups:
-            groups[key] = Group(str(record.model), (record.width or 0, record.height or 0),
-                                record.steps or 0, settings)
+            groups[key] = Group(
+                str(record.model),
+                (record.width or 0, record.height or 0),
+                record.steps or 0,
+                settings,
+            )
         groups[key].records.append(record)
     return list(groups.values())
 
@@ -155,33 +176,71 @@ def linear_fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
         return None
     ys = [y for _, y in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = covariance / sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, slope
 
 
 def render_tables(groups: list[Group]) -> list[Any]:
     from rich.table import Table
 
-    points = Table("model", "size", "steps", "settings", "warm", "failed", "median total", "p90 total",
-                   "denoise/step", "vs first row of model", title="kiln bench: per point (cold runs excluded)")
+    points = Table(
+        "model",
+        "size",
+        "steps",
+        "settings",
+        "warm",
+        "failed",
+        "median total",
+        "p90 total",
+        "denoise/step",
+        "vs first row of model",
+        title="kiln bench: per point (cold runs excluded)",
+    )
     baseline: dict[str, float] = {}
     for g in groups:
         totals = [r.timings.total for r in g.warm]
         failed = sum(1 for r in g.records if r.status != "done")
         if not totals:
-            points.add_row(g.model, f"{g.size[0]}x{g.size[1]}", str(g.steps), g.settings, "0", str(failed),
-                           "-", "-", "-", "-")
+            points.add_row(
+                g.model,
+                f"{g.size[0]}x{g.size[1]}",
+                str(g.steps),
+                g.settings,
+                "0",
+                str(failed),
+                "-",
+                "-",
+                "-",
+                "-",
+            )
             continue
         median = statistics.median(totals)
         per_step = statistics.median(r.timings.denoise / max(r.steps or 1, 1) for r in g.warm)
         ratio_key = f"{g.model}:{g.size}:{g.steps}"
         ratio = median / baseline[ratio_key] if ratio_key in baseline else None
         baseline.setdefault(ratio_key, median)
-        points.add_row(g.model, f"{g.size[0]}x{g.size[1]}", str(g.steps), g.settings, str(len(totals)),
-                       str(failed), f"{median:.3f}", f"{percentile(totals, 90):.3f}", f"{per_step:.4f}",
-                       f"{ratio:.2f}x" if ratio is not None else "1.00x")
-    fits = Table("model", "size", "settings", "fixed s", "s per step", "points",
-                 title="linear fit of warm totals: seconds = fixed + steps x per_step")
+        points.add_row(
+            g.model,
+            f"{g.size[0]}x{g.size[1]}",
+            str(g.steps),
+            g.settings,
+            str(len(totals)),
+            str(failed),
+            f"{median:.3f}",
+            f"{percentile(totals, 90):.3f}",
+            f"{per_step:.4f}",
+            f"{ratio:.2f}x" if ratio is not None else "1.00x",
+        )
+    fits = Table(
+        "model",
+        "size",
+        "settings",
+        "fixed s",
+        "s per step",
+        "points",
+        title="linear fit of warm totals: seconds = fixed + steps x per_step",
+    )
     by_line: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
     for g in groups:
         by_line.setdefault((g.model, g.size, g.settings), []).extend(
@@ -190,12 +249,25 @@ def render_tables(groups: list[Group]) -> list[Any]:
     for (model, size, settings), pts in by_line.items():
         fit = linear_fit(pts)
         if fit is not None:
-            fits.add_row(model, f"{size[0]}x{size[1]}", settings, f"{fit[0]:.3f}", f"{fit[1]:.4f}", str(len(pts)))
+            fits.add_row(
+                model,
+                f"{size[0]}x{size[1]}",
+                settings,
+                f"{fit[0]:.3f}",
+                f"{fit[1]:.4f}",
+                str(len(pts)),
+            )
     return [points, fits]
 
 
-def run_bench(settings: Settings, suite_path: Path, matrix_path: Path, out: Path | None,
-              through_queue: bool, timeout: float = 600.0) -> int:
+def run_bench(
+    settings: Settings,
+    suite_path: Path,
+    matrix_path: Path,
+    out: Path | None,
+    through_queue: bool,
+    timeout: float = 600.0,
+) -> int:
     from rich.progress import Progress
 
     from worker.display import wide_console
@@ -208,8 +280,11 @@ def run_bench(settings: Settings, suite_path: Path, matrix_path: Path, out: Path
     log = out / "timings.jsonl"
     settings = settings.model_copy(update={"timings_log": log, "output_dir": out / "images"})
     requests = plan(suite, matrix)
-    console.print(f"kiln bench: {len(requests)} jobs ({len(matrix.cells)} cells x {len(suite.prompts)} prompts"
-                  f" x repeat {matrix.repeat}) {'through the queue' if through_queue else 'in process'}")
+    console.print(
+        f"kiln bench: {len(requests)} jobs ({len(matrix.cells)} cells x "
+        f"{len(suite.prompts)} prompts"
+        f" x repeat {matrix.repeat}) {'through the queue' if through_queue else 'in process'}"
+    )
     started = time.perf_counter()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("rendering", total=len(requests))
@@ -230,6 +305,8 @@ def run_bench(settings: Settings, suite_path: Path, matrix_path: Path, out: Path
         log.write_text("".join(r.model_dump_json() + "\n" for r in records))
     write_csv(records, out / "timings.csv")
     write_chart(summarize(records), out / "phases.png")
-    console.print(f"{len(records)} jobs in {time.perf_counter() - started:.1f} s; records {log}, "
-                  f"CSV {out / 'timings.csv'}, chart {out / 'phases.png'}")
+    console.print(
+        f"{len(records)} jobs in {time.perf_counter() - started:.1f} s; records {log}, "
+        f"CSV {out / 'timings.csv'}, chart {out / 'phases.png'}"
+    )
     return 1 if any(r.status != "done" for r in records) else 0

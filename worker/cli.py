@@ -22,18 +22,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="A render worker for diffusion models.")
+    parser = argparse.ArgumentParser(
+        prog="kiln", description="A render worker for diffusion models."
+    )
     verbs = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    worker = verbs.add_parser("worker", help="serve render jobs from Redis (keeps pipelines resident)")
+    worker = verbs.add_parser(
+        "worker", help="serve render jobs from Redis (keeps pipelines resident)"
+    )
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    worker.add_argument("--models", help="comma-separated model ids to serve (default: all manifests)")
+    worker.add_argument(
+        "--models", help="comma-separated model ids to serve (default: all manifests)"
+    )
     worker.add_argument("--memory-mode", choices=["auto", "full", "model_offload", "group_offload"])
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     worker.add_argument("--name", help="worker name (default: RQ's host.pid name)")
     worker.add_argument(
-        "--prewarm", action="store_true",
-        help="render each model once per manifest resolution before taking jobs (pays load and compile up front)",
+        "--prewarm",
+        action="store_true",
+        help="render each model once per manifest size before taking jobs (load, compile up front)",
     )
     worker.set_defaults(handler=_worker)
 
@@ -49,9 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--num-images", type=int)
     submit.add_argument("--format", dest="output_format", choices=["png", "webp", "jpeg"])
     submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
-    submit.add_argument("--front", action="store_true", help="put the job at the front of its queue")
+    submit.add_argument(
+        "--front", action="store_true", help="put the job at the front of its queue"
+    )
     submit.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
-    submit.add_argument("--timeout", type=float, default=600.0, help="seconds --wait gives up after")
+    submit.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
+    )
     submit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     submit.set_defaults(handler=_submit)
 
@@ -61,32 +72,44 @@ def _parser() -> argparse.ArgumentParser:
 
     manifests = verbs.add_parser("manifests", help="check or publish model manifests")
     manifest_verbs = manifests.add_subparsers(title="manifest commands", metavar="ACTION")
-    check = manifest_verbs.add_parser("check", help="validate every manifest; exit 1 naming each problem")
+    check = manifest_verbs.add_parser(
+        "check", help="validate every manifest; exit 1 naming each problem"
+    )
     check.add_argument("dir", nargs="?", type=Path)
     check.set_defaults(handler=_manifests_check)
     publish = manifest_verbs.add_parser("publish", help="publish manifests to Redis for clients")
     publish.add_argument("dir", nargs="?", type=Path)
     publish.set_defaults(handler=_manifests_publish)
 
-    doctor = verbs.add_parser("doctor", help="device, memory, dtypes, attention, compile, torchao, Redis")
+    doctor = verbs.add_parser(
+        "doctor", help="device, memory, dtypes, attention, compile, torchao, Redis"
+    )
     doctor.add_argument("--model", help="also load this model and print its switch report")
     doctor.set_defaults(handler=_doctor)
 
-    bench = verbs.add_parser("bench", help="a prompt suite over a matrix of models/steps/sizes/settings")
+    bench = verbs.add_parser(
+        "bench", help="a prompt suite over a matrix of models/steps/sizes/settings"
+    )
     bench.add_argument("--suite", type=Path, default=Path("bench/suites/prompts-8.json"))
     bench.add_argument("--matrix", type=Path, default=Path("bench/matrices/tiny-steps.json"))
-    bench.add_argument("--through-queue", action="store_true", help="submit through Redis to running workers")
+    bench.add_argument(
+        "--through-queue", action="store_true", help="submit through Redis to running workers"
+    )
     bench.add_argument("--out", type=Path, help="results directory (default bench/results/<time>)")
     bench.set_defaults(handler=_bench)
 
-    profile = verbs.add_parser("profile", help="torch.profiler table and chrome trace of one render")
+    profile = verbs.add_parser(
+        "profile", help="torch.profiler table and chrome trace of one render"
+    )
     profile.add_argument("--model", required=True)
     profile.add_argument("--prompt", default="a red fox in fresh snow, golden hour")
     profile.add_argument("--steps", type=int)
     profile.add_argument("--width", type=int)
     profile.add_argument("--height", type=int)
     profile.add_argument("--seed", type=int, default=0)
-    profile.add_argument("--warmup", type=int, default=1, help="unprofiled renders first (load, compile)")
+    profile.add_argument(
+        "--warmup", type=int, default=1, help="unprofiled renders first (load, compile)"
+    )
     profile.add_argument("--trace", type=Path, help="write a chrome trace here")
     profile.set_defaults(handler=_profile)
 
@@ -95,7 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--force", action="store_true", help="rebuild even if present")
     tiny.set_defaults(handler=_tiny_models)
 
-    timings = verbs.add_parser("timings", help="per-model phase medians and p90 from the timings log")
+    timings = verbs.add_parser(
+        "timings", help="per-model phase medians and p90 from the timings log"
+    )
     timings.add_argument("log", nargs="?", type=Path, help="default: KILN_TIMINGS_LOG")
     timings.add_argument("--csv", type=Path, help="also write every record as CSV")
     timings.add_argument("--chart", type=Path, help="also draw a PNG chart of phase medians")
@@ -139,7 +164,16 @@ def _submit(args: argparse.Namespace) -> int:
     from api_client import RenderFailed, RequestRejected
 
     request: dict[str, Any] = {"model": args.model, "prompt": args.prompt}
-    for field in ("negative_prompt", "steps", "guidance", "width", "height", "seed", "num_images", "output_format"):
+    for field in (
+        "negative_prompt",
+        "steps",
+        "guidance",
+        "width",
+        "height",
+        "seed",
+        "num_images",
+        "output_format",
+    ):
         value = getattr(args, field)
         if value is not None:
             request[field] = value
@@ -150,15 +184,21 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"kiln submit: {exc}", file=sys.stderr)
         return 2
     if not args.wait:
-        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{args.model}")
+        print(
+            json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{args.model}"
+        )
         return 0
     from worker.display import wait_with_progress
 
     try:
         result = wait_with_progress(job, timeout=args.timeout, quiet=args.json)
     except RenderFailed as exc:
-        print(json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message}) if args.json
-              else f"kiln submit: {exc}", file=sys.stdout if args.json else sys.stderr)
+        print(
+            json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message})
+            if args.json
+            else f"kiln submit: {exc}",
+            file=sys.stdout if args.json else sys.stderr,
+        )
         return 1
     if args.json:
         print(result.model_dump_json())
@@ -218,7 +258,10 @@ def _manifests_publish(args: argparse.Namespace) -> int:
         print(f"kiln manifests publish: not publishing invalid manifests:\n{exc}", file=sys.stderr)
         return 1
     publish_manifests(Redis.from_url(settings.redis_url), manifests)
-    print(f"published {len(manifests)} manifests to {settings.redis_url}: {', '.join(sorted(manifests))}")
+    print(
+        f"published {len(manifests)} manifests to {settings.redis_url}: "
+        f"{', '.join(sorted(manifests))}"
+    )
     return 0
 
 
@@ -267,7 +310,9 @@ def _timings(args: argparse.Namespace) -> int:
     from worker.report import run_report
 
     settings = _settings()
-    return run_report(args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last)
+    return run_report(
+        args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def compile_denoiser(loaded: LoadedPipeline, settings: Settings) -> str:
     if blocks:
         # One graph per block class, reused by every instance: a fraction of a whole-model
         # compile's time for nearly the same steady-state speed.
-        denoiser.compile_repeated_blocks(fullgraph=True)
+        denoiser.compile_repeated_blocks(fullgraph=True)  # type: ignore[operator]
         return f"regional: torch.compile of repeated {', '.join(blocks)} blocks"
     denoiser.compile()
     return "whole denoiser: torch.compile (no repeated blocks declared)"

@@ -16,7 +16,9 @@ from api_client.schema import PHASES
 console = Console(stderr=True)
 
 
-def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False, poll: float = 0.1) -> RenderResult:
+def wait_with_progress(
+    job: KilnJob, timeout: float, quiet: bool = False, poll: float = 0.1
+) -> RenderResult:
     """Poll the job; draw {phase, step/steps} as a bar on stderr unless quiet."""
     deadline = time.monotonic() + timeout
     with Progress(
@@ -48,12 +50,16 @@ def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False, poll: 
 
 def print_result(result: RenderResult) -> None:
     out = wide_console()
-    out.print(f"[bold green]done[/] {result.job_id}  {result.model}  seed {result.seed}  "
-              f"{result.steps} steps  guidance {result.guidance}  {result.width}x{result.height}")
+    out.print(
+        f"[bold green]done[/] {result.job_id}  {result.model}  seed {result.seed}  "
+        f"{result.steps} steps  guidance {result.guidance}  {result.width}x{result.height}"
+    )
     for image in result.images:
         out.print(f"  {image.path}  sha256 {image.sha256[:16]}")
-    out.print(f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
-              f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}")
+    out.print(
+        f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
+        f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}"
+    )
     table = Table(*[phase_header(p) for p in PHASES], title="timings (s)")
     table.add_row(*[f"{getattr(result.timings, p):.3f}" for p in PHASES])
     out.print(table)
@@ -90,8 +96,18 @@ def wide_console(stderr: bool = False) -> Console:
 
 
 def phase_table(records: list[Any], title: str) -> Table:
-    table = Table("job", "model", "size", "steps", "n", "rung", "cold", "status",
-                  *[phase_header(p) for p in PHASES], title=title)
+    table = Table(
+        "job",
+        "model",
+        "size",
+        "steps",
+        "n",
+        "rung",
+        "cold",
+        "status",
+        *[phase_header(p) for p in PHASES],
+        title=title,
+    )
     for r in records:
         table.add_row(
             r.job_id[:8],

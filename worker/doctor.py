@@ -172,7 +172,7 @@ def _compile_line(settings: Settings, info: DeviceInfo) -> str:
     missing = compile_available()
     if missing is not None:
         return f"unavailable: {missing}"
-    effective = settings.compile
+    effective: str = settings.compile
     if effective == "auto":
         effective = "on" if info.accelerator else "off (auto: CPU)"
     return (

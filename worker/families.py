@@ -57,7 +57,7 @@ def _encode_pooled(pipe: Any, prompt: str, negative: str, count: int, cfg: bool)
 
 
 def _vae_device(vae: Any) -> torch.device:
-    return next(iter(vae.parameters())).device
+    return torch.device(next(iter(vae.parameters())).device)
 
 
 def _decode_sd15(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:

@@ -23,7 +23,9 @@ def configure(log_format: str = "json", level: int = logging.INFO, quiet: bool =
             renderer,
         ],
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING if quiet else logging.INFO),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.WARNING if quiet else logging.INFO
+        ),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(

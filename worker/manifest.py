@@ -28,7 +28,9 @@ def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, 
     if only:
         unknown = sorted(set(only) - set(manifests))
         if unknown:
-            problems = [Problem("--models", model_id, "no manifest with this id") for model_id in unknown]
+            problems = [
+                Problem("--models", model_id, "no manifest with this id") for model_id in unknown
+            ]
             raise ManifestsInvalid([ManifestInvalid(directory, problems)])
         manifests = {model_id: manifests[model_id] for model_id in only}
     return manifests
@@ -43,7 +45,7 @@ class WeightsSource:
 
 
 def weights_source(manifest: Manifest, models_dir: Path) -> WeightsSource:
-    """A source with no slash, or an absolute/./ path, is a directory under models_dir; else a hub id."""
+    """A source without a slash, or an absolute or ./ path, is a local directory; else a hub id."""
     source = manifest.source
     as_path = Path(source).expanduser()
     if as_path.is_absolute() or source.startswith(("./", "../")) or "/" not in source:

@@ -1,4 +1,4 @@
-"""Image files and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once."""
+"""Images and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once."""
 
 from __future__ import annotations
 

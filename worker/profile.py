@@ -17,8 +17,9 @@ from worker.render import LocalContext, Renderer
 from worker.settings import Settings
 
 
-def run_profile(settings: Settings, request: dict[str, Any], trace: Path | None, warmup: int = 1,
-                rows: int = 25) -> int:
+def run_profile(
+    settings: Settings, request: dict[str, Any], trace: Path | None, warmup: int = 1, rows: int = 25
+) -> int:
     from worker.display import phase_table, wide_console
 
     console = wide_console()
@@ -41,7 +42,9 @@ def run_profile(settings: Settings, request: dict[str, Any], trace: Path | None,
     for event in sorted(phases, key=lambda e: -e.cpu_time_total):
         console.print(f"{event.key:<20} {event.cpu_time_total / 1e6:8.3f} s host")
     if renderer.last_record is not None:
-        console.print(phase_table([renderer.last_record], title="profiled run (perturbed by the profiler)"))
+        console.print(
+            phase_table([renderer.last_record], title="profiled run (perturbed by the profiler)")
+        )
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))

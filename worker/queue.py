@@ -258,7 +258,7 @@ class KilnWorker(SimpleWorker):
 
     # -- the work loop --------------------------------------------------------------------------
 
-    def work(self, burst: bool = False, **kwargs: Any) -> bool:
+    def work(self, burst: bool = False, **kwargs: Any) -> bool:  # type: ignore[override]
         # Round robin across model queues: a busy model must not starve the others.
         kwargs.setdefault("dequeue_strategy", DequeueStrategy.ROUND_ROBIN)
         _shutdown_now.clear()
@@ -337,7 +337,7 @@ class KilnWorker(SimpleWorker):
         """Every job leaves one timing record, also one refused or stopped before rendering."""
         try:
             request = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
-        except Exception:  # noqa: BLE001 - an undeserializable payload has no model to name
+        except Exception:
             request = None
         model = request.get("model") if isinstance(request, dict) else None
         record = TimingRecord(
@@ -451,7 +451,7 @@ class KilnWorker(SimpleWorker):
 
     def teardown(self) -> None:
         try:
-            super().teardown()
+            super().teardown()  # type: ignore[no-untyped-call]
             self.connection.delete(keys.worker_key(self.name))
             self.connection.zrem(keys.WORKERS_KEY, self.name)
         except REDIS_ERRORS as exc:

@@ -101,7 +101,9 @@ class Renderer:
         scope = torch.profiler.record_function if self.profiling else None
         watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
         started_at = datetime.now(timezone.utc)
-        record = TimingRecord(job_id=ctx.job_id, worker=self.worker_name, device=self.info.torch_device)
+        record = TimingRecord(
+            job_id=ctx.job_id, worker=self.worker_name, device=self.info.torch_device
+        )
         try:
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
@@ -305,10 +307,14 @@ class Renderer:
         with watch.phase("text_encode"):
             ctx.progress("text_encode", 0, steps)
             self.faults.check("text_encode", rung)
-            embeds = family.encode(pipe, request.prompt, request.negative_prompt, count, guidance > 1.0)
+            embeds = family.encode(
+                pipe, request.prompt, request.negative_prompt, count, guidance > 1.0
+            )
 
         # 2. Denoise to latents; the step callback reports progress and honours a stop request.
-        def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        def on_step(
+            _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]
+        ) -> dict[str, Any]:
             ctx.progress("denoise", step + 1, steps)
             if ctx.stop_requested():
                 raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")

@@ -1,4 +1,4 @@
-"""`kiln timings`: turn the timings log into per-model phase medians and p90, drift, CSV and a chart."""
+"""`kiln timings`: per-model phase medians and p90 from the timings log, drift, CSV and a chart."""
 
 from __future__ import annotations
 
@@ -46,13 +46,17 @@ def summarize(records: list[TimingRecord], window: int = 10) -> list[ModelSummar
     summaries = []
     for model, group in sorted(by_model.items()):
         warm = [r for r in group if r.status == "done" and not r.cold]
-        phases = {
-            phase: PhaseStats(
-                statistics.median([getattr(r.timings, phase) for r in warm]),
-                percentile([getattr(r.timings, phase) for r in warm], 90),
-            )
-            for phase in PHASES
-        } if warm else {}
+        phases = (
+            {
+                phase: PhaseStats(
+                    statistics.median([getattr(r.timings, phase) for r in warm]),
+                    percentile([getattr(r.timings, phase) for r in warm], 90),
+                )
+                for phase in PHASES
+            }
+            if warm
+            else {}
+        )
         drift = None
         if len(warm) >= 2 * window:
             old = statistics.median(r.timings.total for r in warm[:window])
@@ -72,8 +76,15 @@ def summarize(records: list[TimingRecord], window: int = 10) -> list[ModelSummar
 
 
 def summary_table(summaries: list[ModelSummary]) -> Table:
-    table = Table("model", "warm", "cold", "failed", *[phase_header(p) for p in PHASES], "drift",
-                  title="median / p90 seconds per phase (cold jobs excluded)")
+    table = Table(
+        "model",
+        "warm",
+        "cold",
+        "failed",
+        *[phase_header(p) for p in PHASES],
+        "drift",
+        title="median / p90 seconds per phase (cold jobs excluded)",
+    )
     for s in summaries:
         cells = [
             f"{s.phases[p].median:.3f} / {s.phases[p].p90:.3f}" if s.phases else "-" for p in PHASES
@@ -84,8 +95,23 @@ def summary_table(summaries: list[ModelSummary]) -> Table:
 
 
 def write_csv(records: list[TimingRecord], path: Path) -> None:
-    fields = ["job_id", "model", "status", "cold", "width", "height", "steps", "num_images", "rung",
-              "dtype", "compiled", "per_step_s", "peak_memory_bytes", "finished_at", *PHASES]
+    fields = [
+        "job_id",
+        "model",
+        "status",
+        "cold",
+        "width",
+        "height",
+        "steps",
+        "num_images",
+        "rung",
+        "dtype",
+        "compiled",
+        "per_step_s",
+        "peak_memory_bytes",
+        "finished_at",
+        *PHASES,
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv_module.writer(handle)
@@ -109,7 +135,7 @@ def write_chart(summaries: list[ModelSummary], path: Path) -> None:
     for phase in stacked:
         heights = [s.phases[phase].median for s in shown]
         ax.bar([s.model for s in shown], heights, bottom=bottoms, label=phase)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     ax.set_ylabel("median seconds per job (warm)")
     ax.set_title("kiln: where a job's time goes")
     ax.legend(fontsize="small")
@@ -119,7 +145,9 @@ def write_chart(summaries: list[ModelSummary], path: Path) -> None:
     plt.close(fig)
 
 
-def run_report(log: Path, csv: Path | None = None, chart: Path | None = None, last: int | None = None) -> int:
+def run_report(
+    log: Path, csv: Path | None = None, chart: Path | None = None, last: int | None = None
+) -> int:
     console = wide_console()
     if not log.is_file():
         console.print(f"kiln timings: no timings log at {log}")
@@ -129,7 +157,9 @@ def run_report(log: Path, csv: Path | None = None, chart: Path | None = None, la
         console.print(f"kiln timings: {log} holds no timing records")
         return 1
     if last:
-        console.print(phase_table(records[-last:], title=f"last {min(last, len(records))} jobs (seconds)"))
+        console.print(
+            phase_table(records[-last:], title=f"last {min(last, len(records))} jobs (seconds)")
+        )
     summaries = summarize(records)
     console.print(summary_table(summaries))
     if csv:

@@ -79,13 +79,21 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     for model_id in models:
         manifest = renderer.manifests[model_id]
         for width, height in manifest.resolutions:
-            request = {"model": model_id, "prompt": "prewarm", "steps": 2, "seed": 0,
-                       "width": width, "height": height}
+            request = {
+                "model": model_id,
+                "prompt": "prewarm",
+                "steps": 2,
+                "seed": 0,
+                "width": width,
+                "height": height,
+            }
             job_id = f"prewarm-{worker_name}-{model_id}-{width}x{height}"
             try:
                 renderer.render(request, LocalContext(job_id))
-            except Exception as exc:  # noqa: BLE001 - a failed warm-up is logged; jobs will retry
-                log.warning("prewarm_failed", model=model_id, width=width, height=height, error=str(exc))
+            except Exception as exc:
+                log.warning(
+                    "prewarm_failed", model=model_id, width=width, height=height, error=str(exc)
+                )
         log.info("prewarmed", model=model_id, sizes=len(manifest.resolutions))
 
 

@@ -27,18 +27,34 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore", validate_default=True)
 
-    redis_url: str = Field("redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL")
+    redis_url: str = Field(
+        "redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL"
+    )
     manifests: Path = Field(Path("manifests"), description="Directory of <model id>.yaml manifests")
-    models_dir: Path = Field(Path("models"), description="Where manifest sources that are paths resolve")
+    models_dir: Path = Field(
+        Path("models"), description="Where manifest sources that are paths resolve"
+    )
     output_dir: Path = Field(Path("outputs"), description="Images land in <output_dir>/<job id>/")
     timings_log: Path = Field(Path("outputs/timings.jsonl"), description="One JSON line per job")
-    device: Literal["auto", "cuda", "cpu", "mps"] = Field("auto", description="auto picks cuda, then mps, then cpu")
-    memory_mode: MemoryMode = Field("auto", description="auto walks the ladder; a rung name pins it")
+    device: Literal["auto", "cuda", "cpu", "mps"] = Field(
+        "auto", description="auto picks cuda, then mps, then cpu"
+    )
+    memory_mode: MemoryMode = Field(
+        "auto", description="auto walks the ladder; a rung name pins it"
+    )
     vram_reserve_gb: float = Field(0.5, ge=0, description="Free memory kiln leaves untouched")
-    vram_budget_gb: float | None = Field(None, gt=0, description="Cap on what kiln may use, even on a big card")
-    compile: Switch = Field("auto", description="torch.compile at the full rung: auto = on for accelerators")
-    log_format: Literal["json", "console"] = Field("json", description="structlog renderer for stdout")
-    metrics_port: int | None = Field(None, ge=1, le=65535, description="Prometheus /metrics port; unset = off")
+    vram_budget_gb: float | None = Field(
+        None, gt=0, description="Cap on what kiln may use, even on a big card"
+    )
+    compile: Switch = Field(
+        "auto", description="torch.compile at the full rung: auto = on for accelerators"
+    )
+    log_format: Literal["json", "console"] = Field(
+        "json", description="structlog renderer for stdout"
+    )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="Prometheus /metrics port; unset = off"
+    )
     job_timeout_s: int = Field(600, ge=1, description="A job running longer is failed")
     faults: str = Field("", description="Fault drills, e.g. oom@denoise:full*2,oom@load:full")
     inductor_cache_dir: Path = Field(
