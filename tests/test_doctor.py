@@ -41,3 +41,11 @@ def test_doctor_exits_1_when_redis_is_unreachable(kiln_env: dict[str, str]) -> N
     done = kiln("doctor", env=env)
     assert done.returncode == 1
     assert "UNREACHABLE at redis://127.0.0.1:1/0" in done.stdout
+    # Without a model it still shows how every switch is set.
+    assert "switches      sdpa=auto, channels_last=auto" in done.stdout
+
+
+def test_doctor_shows_configured_switches(kiln_env: dict[str, str]) -> None:
+    done = kiln("doctor", env={**kiln_env, "KILN_VAE_TILING": "on"})
+    assert done.returncode == 0, done.stderr
+    assert "vae_tiling=on" in done.stdout and "kiln doctor --model ID" in done.stdout

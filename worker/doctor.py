@@ -19,7 +19,7 @@ from worker.faults import FaultPlan
 from worker.ladder import GB, Rung, is_oom, lower_rung, oom_detail, pick_rung, usable_gb
 from worker.pipelines import PipelineCache, load_pipeline
 from worker.quantize import torchao_version, unsupported_reason
-from worker.settings import Settings
+from worker.settings import SWITCH_NAMES, Settings
 
 PACKAGES = ("torch", "diffusers", "transformers", "torchao", "accelerate", "rq")
 
@@ -104,9 +104,12 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  compile       {report.compile}",
         "  torchao       " + "; ".join(f"{k}: {v}" for k, v in report.torchao.items()),
         f"  redis         {report.redis}",
+        "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
     ]
     if report.model is not None:
         lines += _model_lines(report.model)
+    else:
+        lines.append("  (`kiln doctor --model ID` loads a model and reports what each switch did)")
     return "\n".join(lines)
 
 
