@@ -15,7 +15,6 @@ from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequ
 Family = Literal["sd15", "sd2", "sdxl", "sd3"]
 Scheduler = Literal[
     "dpmsolver",
-    "dpmsolver-karras",
     "euler",
     "euler-a",
     "euler-trailing",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,3 +129,22 @@ def test_offloaded_pipelines_are_released_too(settings: Any, rung: str) -> None:
     gc.collect()
     assert eviction is not None and eviction.rung == rung
     assert unet() is None
+
+
+def test_every_manifest_scheduler_name_builds_a_diffusers_scheduler(tiny_dir: Path) -> None:
+    """The schema (api_client, no torch) and the worker's table must name the same schedulers."""
+    import json
+    from typing import get_args
+
+    import diffusers
+
+    from api_client.manifest import Scheduler
+    from worker.pipelines import SCHEDULERS
+
+    assert set(get_args(Scheduler)) == set(SCHEDULERS)
+    config_file = tiny_dir / "tiny-sd15" / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    for name, (class_name, overrides) in SCHEDULERS.items():
+        scheduler = getattr(diffusers, class_name).from_config(config, **overrides)
+        scheduler.set_timesteps(4)
+        assert len(scheduler.timesteps) >= 4, name

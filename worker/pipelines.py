@@ -111,7 +111,6 @@ def load_pipeline(
 
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpmsolver": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
-    "dpmsolver-karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
     "euler": ("EulerDiscreteScheduler", {}),
     "euler-a": ("EulerAncestralDiscreteScheduler", {}),
     "euler-trailing": ("EulerDiscreteScheduler", {"timestep_spacing": "trailing"}),
