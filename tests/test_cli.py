@@ -65,41 +65,14 @@ def test_submit_wait_json_through_a_real_worker_process(
         text=True,
     )
     try:
-        done = kiln(
-            "submit",
-            "a red fox",
-            "--model",
-            "tiny-sd15",
-            "--steps",
-            "3",
-            "--seed",
-            "5",
-            "--wait",
-            "--json",
-            "--timeout",
-            "120",
-            env=kiln_env,
-            timeout=180,
-        )
+        submit = ("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5")
+        waiting = ("--wait", "--timeout", "120")
+        done = kiln(*submit, *waiting, "--json", env=kiln_env, timeout=180)
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["model"] == "tiny-sd15" and result["seed"] == 5 and result["steps"] == 3
         assert Path(result["images"][0]["path"]).is_file()
-        human = kiln(
-            "submit",
-            "a red fox",
-            "--model",
-            "tiny-sd15",
-            "--steps",
-            "3",
-            "--seed",
-            "5",
-            "--wait",
-            "--timeout",
-            "120",
-            env=kiln_env,
-            timeout=180,
-        )
+        human = kiln(*submit, *waiting, env=kiln_env, timeout=180)
         assert human.returncode == 0, human.stderr
         assert "done" in human.stdout and result["images"][0]["sha256"][:16] in human.stdout
         models = kiln("models", "--json", env=kiln_env)

@@ -12,25 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis import Redis
 
-from api_client import KilnClient, RenderFailed, RequestRejected
+from api_client import KilnClient, RenderFailed, RenderRequest, RequestRejected
 from tests.conftest import MANIFESTS
 from tests.helpers import burst, enqueue_raw, make_renderer
 from worker.render import Renderer
 from worker.settings import Settings
 
 MODEL = "tiny-sd15"
-FIELDS = [
-    "model",
-    "prompt",
-    "negative_prompt",
-    "steps",
-    "guidance",
-    "width",
-    "height",
-    "seed",
-    "num_images",
-    "output_format",
-]
+FIELDS = list(RenderRequest.model_fields)
 weird_text = st.one_of(
     st.text(max_size=40),
     st.text(alphabet=st.characters(codec="utf-8"), min_size=3000, max_size=5000),

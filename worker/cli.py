@@ -162,21 +162,14 @@ def _client() -> Any:
 
 def _submit(args: argparse.Namespace) -> int:
     from api_client import RenderFailed, RequestRejected
+    from api_client.schema import RenderRequest
 
-    request: dict[str, Any] = {"model": args.model, "prompt": args.prompt}
-    for field in (
-        "negative_prompt",
-        "steps",
-        "guidance",
-        "width",
-        "height",
-        "seed",
-        "num_images",
-        "output_format",
-    ):
-        value = getattr(args, field)
-        if value is not None:
-            request[field] = value
+    # Every request field has a flag of the same name; unset flags take the manifest's defaults.
+    request: dict[str, Any] = {
+        field: getattr(args, field)
+        for field in RenderRequest.model_fields
+        if getattr(args, field, None) is not None
+    }
     client = _client()
     try:
         job = client.submit(request, job_id=args.job_id, at_front=args.front)

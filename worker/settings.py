@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -11,15 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from api_client.manifest import Switch, SwitchName
 
 MemoryMode = Literal["auto", "full", "model_offload", "group_offload"]
-SWITCH_NAMES: tuple[SwitchName, ...] = (
-    "sdpa",
-    "channels_last",
-    "compile",
-    "quantize",
-    "vae_tiling",
-    "attention_slicing",
-    "taesd_preview",
-)
+SWITCH_NAMES: tuple[SwitchName, ...] = get_args(SwitchName)
 
 
 class Settings(BaseSettings):
