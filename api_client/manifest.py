@@ -189,8 +189,13 @@ def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Ma
 
 def load_manifest_file(path: Path) -> Manifest:
     """Parse one YAML manifest; raise ManifestInvalid naming file, field, value and rule."""
-    import yaml
     from pydantic import ValidationError
+
+    try:
+        import yaml  # the client proper needs only what workers publish to Redis
+    except ImportError:
+        rule = "reading manifest files needs PyYAML (pip install pyyaml); or publish them to Redis"
+        raise ManifestInvalid(path, [Problem("(file)", str(path), rule)]) from None
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

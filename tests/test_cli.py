@@ -19,7 +19,7 @@ try:
     {code}
 except SystemExit:
     pass
-print([m for m in ("torch", "diffusers", "transformers") if m in sys.modules])
+print([m for m in ("torch", "diffusers", "transformers", "yaml") if m in sys.modules])
 """
 
 
