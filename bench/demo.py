@@ -58,6 +58,9 @@ def main() -> int:
     settings = Settings()
 
     # 2. Tiny models, built once (seconds).
+    from worker.logs import quiet_libraries
+
+    quiet_libraries()  # before torch and diffusers are imported
     from worker.tiny import build_tiny_models
 
     t0 = time.perf_counter()

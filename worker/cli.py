@@ -288,6 +288,9 @@ def _profile(args: argparse.Namespace) -> int:
 def _tiny_models(args: argparse.Namespace) -> int:
     import time
 
+    from worker.logs import quiet_libraries
+
+    quiet_libraries()  # before torch and diffusers are imported
     from worker.tiny import build_tiny_models
 
     directory = args.dir or _settings().models_dir

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
+
+# Import-time notices from the stack that say nothing about a job: torchao's CPU wheel lacking
+# its CUDA kernels, a torch deprecation note, diffusers' torchao serialization notice,
+# transformers' torchvision fallback. Real errors from these libraries still show.
+QUIET_LIBRARIES = (
+    "torchao",
+    "torch.utils._pytree",
+    "diffusers.quantizers.torchao.torchao_quantizer",
+)
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def configure(log_format: str = "json", level: int = logging.INFO, quiet: bool = False) -> None:
     """quiet: drop kiln's per-job JSON lines from stdout (bench and profile print tables instead;
     the records still go to the timings log)."""
+    quiet_libraries()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if log_format == "json"
