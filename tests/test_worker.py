@@ -57,6 +57,7 @@ def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> N
     assert record.status == "done" and record.job_id == job.id and record.cold
     assert record.timings == result.timings or record.timings.total >= result.timings.total
     assert record.per_step_s and record.per_step_s > 0
+    assert record.finished_at >= result.finished_at >= result.started_at
 
 
 def test_same_request_gives_the_same_bytes_and_another_seed_does_not(

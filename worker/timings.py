@@ -80,11 +80,12 @@ class TimingRecord(BaseModel):
     attempts: list[Attempt] = Field(default_factory=list)
     settings: SettingsReport = Field(default_factory=SettingsReport)
     worker: str | None = None
-    finished_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    finished_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))  # set by emit
 
 
 def emit(record: TimingRecord, log_path: Path) -> None:
     """Log the record through structlog and append it to the timings log as one JSON line."""
+    record.finished_at = datetime.now(timezone.utc)
     data: dict[str, Any] = record.model_dump(mode="json")
     line = json.dumps(data, separators=(",", ":"))
     try:
