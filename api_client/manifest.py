@@ -81,6 +81,8 @@ class Manifest(_Strict):
     compile: Literal["auto", "required", "off"] = "auto"
     benchmark_only: bool = False
     optimizations: dict[SwitchName, Switch] = Field(default_factory=dict)
+    # An AutoencoderTiny (TAESD) for cheap previews while denoising: hub id or local directory.
+    taesd: str | None = Field(default=None, min_length=1)
 
     @field_validator("resolutions")
     @classmethod

@@ -149,3 +149,4 @@ class Progress(BaseModel):
     phase: str
     step: int = 0
     steps: int = 0
+    preview: str | None = None  # path of the latest TAESD preview image, when previews are on

@@ -22,7 +22,7 @@ def test_doctor_reports_the_machine_and_a_models_switches(kiln_env: dict[str, st
         "model tiny-sd3",
         "rung          full",
         "applied       quantize:text_encoder_3: torchao int8",
-        "skipped       taesd_preview:",
+        "applied       taesd_preview:",
         "skipped       compile: auto: off on CPU",
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"

@@ -24,8 +24,8 @@ SLOW_MODEL = "tiny-slow"
 PACED = """
 import time, worker.queue as q
 _progress = q.RQJobContext.progress
-def _paced(self, phase, step, steps):
-    _progress(self, phase, step, steps)
+def _paced(self, phase, step, steps, preview=None):
+    _progress(self, phase, step, steps, preview)
     if phase == "denoise" and step:
         time.sleep({seconds})
 q.RQJobContext.progress = _paced
@@ -42,8 +42,10 @@ def pace_here(monkeypatch: Any, seconds: float) -> None:
 
     progress = q.RQJobContext.progress
 
-    def paced_progress(self: Any, phase: str, step: int, steps: int) -> None:
-        progress(self, phase, step, steps)
+    def paced_progress(
+        self: Any, phase: str, step: int, steps: int, preview: str | None = None
+    ) -> None:
+        progress(self, phase, step, steps, preview)
         if phase == "denoise" and step:
             time.sleep(seconds)
 

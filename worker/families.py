@@ -100,6 +100,15 @@ def _decode_sd3(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
     return list(pipe.image_processor.postprocess(image, output_type="pil"))
 
 
+def decode_preview(pipe: Any, taesd: Any, latents: torch.Tensor) -> Image.Image:
+    """The first image of the batch through TAESD, in the latent space its config describes."""
+    latents = latents[:1].to(_vae_device(taesd), taesd.dtype)
+    latents = latents / taesd.config.scaling_factor + taesd.config.shift_factor
+    image = taesd.decode(latents, return_dict=False)[0]
+    previews: list[Image.Image] = pipe.image_processor.postprocess(image, output_type="pil")
+    return previews[0]
+
+
 FAMILIES: dict[str, Family] = {
     "sd15": Family("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
     "sd2": Family("StableDiffusionPipeline", _encode_sd15, _decode_sd15),

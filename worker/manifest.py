@@ -44,21 +44,30 @@ class WeightsSource:
     local: bool
 
 
-def weights_source(manifest: Manifest, models_dir: Path) -> WeightsSource:
-    """A source without a slash, or an absolute or ./ path, is a local directory; else a hub id."""
-    source = manifest.source
+def weights_source(
+    manifest: Manifest,
+    models_dir: Path,
+    source: str | None = None,
+    marker: str = "model_index.json",
+) -> WeightsSource:
+    """Where the manifest's source (or another of its weights, e.g. taesd) lives.
+
+    A source without a slash, or an absolute or ./ path, is a local directory under models_dir;
+    otherwise a directory there of that name if it holds marker, else a hub id.
+    """
+    source = source if source is not None else manifest.source
     as_path = Path(source).expanduser()
     if as_path.is_absolute() or source.startswith(("./", "../")) or "/" not in source:
         path = as_path if as_path.is_absolute() else models_dir / as_path
-        if not (path / "model_index.json").is_file():
+        if not (path / marker).is_file():
             hint = " (run `kiln tiny-models`)" if manifest.id.startswith("tiny-") else ""
             raise FileNotFoundError(
                 f"model {manifest.id}: source {source!r} resolves to {path}, which holds no "
-                f"model_index.json{hint}"
+                f"{marker}{hint}"
             )
         return WeightsSource(str(path), local=True)
     local_path = models_dir / source
-    if (local_path / "model_index.json").is_file():
+    if (local_path / marker).is_file():
         return WeightsSource(str(local_path), local=True)
     return WeightsSource(source, local=False)
 

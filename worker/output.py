@@ -67,6 +67,22 @@ def save_images(output_dir: Path, job_id: str, images: list[EncodedImage]) -> li
     return files
 
 
+def save_preview(output_dir: Path, job_id: str, image: Image.Image) -> str:
+    """The latest denoising preview, replaced in place: <job dir>/preview.jpg."""
+    directory = job_dir(output_dir, job_id)
+    path = directory / "preview.jpg"
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=85)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, buffer.getvalue())
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write preview for job {job_id} under {directory}: {exc}"
+        ) from exc
+    return str(path.resolve())
+
+
 def write_result(output_dir: Path, result: RenderResult) -> None:
     """result.json is written last: its presence means the job's files are complete."""
     path = job_dir(output_dir, result.job_id) / RESULT_FILE

@@ -28,6 +28,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def preview_steps(steps: int) -> set[int]:
+    """1-based steps after which a preview is drawn; never the last: the real decode follows."""
+    every = max(steps // 4, 1)
+    return {step for step in range(every, steps, every)}
+
+
 class CompileRequired(RuntimeError):
     """compile: required, the pipeline is fully resident, and torch.compile did not succeed."""
 
@@ -45,6 +51,7 @@ class LoadedPipeline:
     device_bytes: int = 0  # device memory this pipeline took at load (allocated after - before)
     warm_shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (w, h, batch) seen
     recompiles: int = 0  # graphs Dynamo built for this pipeline after its first job
+    preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
 
     @property
     def dtype_name(self) -> str:
@@ -211,17 +218,35 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
         why = "switched off" if tiling == "off" else "auto: fully resident, decode fits"
         report.add("skipped", "vae_tiling", why)
 
-    # Not built: a preview needs TAESD weights per latent space (a hub download this worker may
-    # not make) and a channel to the client, which carries {phase, step, steps} only.
-    preview = _switch(loaded, settings, "taesd_preview")
-    reason = (
-        "switched off"
-        if preview == "off"
-        else (
-            "not available: no TAESD weights in the manifest and no preview channel in job progress"
-        )
+    _load_preview_vae(loaded, info, settings)
+
+
+def _load_preview_vae(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """TAESD decodes a latent in milliseconds: a preview a few times per job for the client.
+
+    A preview is a convenience: if its weights cannot be loaded the job goes on without one.
+    """
+    manifest, report = loaded.manifest, loaded.settings
+    switch = _switch(loaded, settings, "taesd_preview")
+    if switch == "off":
+        report.add("skipped", "taesd_preview", "switched off")
+        return
+    if manifest.taesd is None:
+        report.add("skipped", "taesd_preview", "the manifest names no taesd weights")
+        return
+    from diffusers import AutoencoderTiny
+
+    try:
+        source = weights_source(manifest, settings.models_dir, manifest.taesd, marker="config.json")
+        taesd = AutoencoderTiny.from_pretrained(source.location, dtype=loaded.dtype)
+    except Exception as exc:
+        report.add("skipped", "taesd_preview", f"cannot load taesd {manifest.taesd!r}: {exc}")
+        return
+    # A few MB: it stays on the device at every rung, so previews never wait for an offload.
+    loaded.preview_vae = taesd.to(info.torch_device).eval()
+    report.add(
+        "applied", "taesd_preview", f"TAESD {manifest.taesd}: a preview each quarter of the steps"
     )
-    report.add("skipped", "taesd_preview", reason)
 
 
 def _place(pipe: Any, rung: Rung, info: DeviceInfo) -> None:

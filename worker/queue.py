@@ -90,9 +90,17 @@ class RQJobContext:
             max((_aware(started) - _aware(enqueued)).total_seconds(), 0.0) if enqueued else 0.0
         )
         self._stop_key = keys.stop_key(job.id)
+        self._preview: str | None = None
 
-    def progress(self, phase: str, step: int, steps: int) -> None:
-        self.job.meta["progress"] = {"phase": phase, "step": step, "steps": steps}
+    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
+        # The latest preview stays in every later update until a newer one replaces it.
+        self._preview = preview or self._preview
+        self.job.meta["progress"] = {
+            "phase": phase,
+            "step": step,
+            "steps": steps,
+            "preview": self._preview,
+        }
         self.job.save_meta()
 
     def stop_requested(self) -> bool:

@@ -17,7 +17,7 @@ from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
 from worker.device import DeviceInfo
-from worker.families import family_of
+from worker.families import decode_preview, family_of
 from worker.faults import FaultPlan
 from worker.ladder import (
     GB,
@@ -36,6 +36,7 @@ from worker.pipelines import (
     PipelineCache,
     compile_fell_back,
     load_pipeline,
+    preview_steps,
     release_memory,
 )
 from worker.settings import Settings
@@ -50,7 +51,7 @@ class JobContext(Protocol):
     job_id: str
     queue_wait_s: float
 
-    def progress(self, phase: str, step: int, steps: int) -> None: ...
+    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None: ...
 
     def stop_requested(self) -> bool: ...
 
@@ -62,7 +63,7 @@ class LocalContext:
     job_id: str
     queue_wait_s: float = 0.0
 
-    def progress(self, phase: str, step: int, steps: int) -> None:
+    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
         return None
 
     def stop_requested(self) -> bool:
@@ -311,11 +312,17 @@ class Renderer:
                 pipe, request.prompt, request.negative_prompt, count, guidance > 1.0
             )
 
-        # 2. Denoise to latents; the step callback reports progress and honours a stop request.
+        # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at
+        #    each quarter when previews are on) and honours a stop request.
+        previews = preview_steps(steps) if loaded.preview_vae is not None else set()
+
         def on_step(
             _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]
         ) -> dict[str, Any]:
-            ctx.progress("denoise", step + 1, steps)
+            preview = None
+            if step + 1 in previews:
+                preview = self._preview(loaded, tensors["latents"], ctx, record)
+            ctx.progress("denoise", step + 1, steps, preview)
             if ctx.stop_requested():
                 raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
             return tensors
@@ -343,6 +350,19 @@ class Renderer:
         record.peak_memory_bytes = dev.peak_bytes(self.info)
         record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
         return images
+
+    def _preview(
+        self, loaded: LoadedPipeline, latents: torch.Tensor, ctx: JobContext, record: TimingRecord
+    ) -> str | None:
+        """Decode and save a preview; a preview that fails is logged and skipped, never fatal."""
+        try:
+            image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
+            path = output.save_preview(self.settings.output_dir, ctx.job_id, image)
+        except Exception as exc:
+            log.warning("preview failed for job %s: %s", ctx.job_id, exc)
+            return None
+        record.previews += 1
+        return path
 
     def _result(
         self,

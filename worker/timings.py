@@ -76,6 +76,7 @@ class TimingRecord(BaseModel):
     dtype: str | None = None
     compiled: bool = False
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
+    previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
     settings: SettingsReport = Field(default_factory=SettingsReport)

@@ -19,6 +19,7 @@ from typing import Final, TypeVar
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderTiny,
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -46,7 +47,7 @@ FAMILIES: tuple[str, ...] = ("sd15", "sdxl", "sd3")
 _T = TypeVar("_T")
 
 # Bump whenever a config, tokenizer or seed below changes: existing builds are then replaced.
-BUILDER_VERSION: Final = 1
+BUILDER_VERSION: Final = 2  # 2: a tiny TAESD in <pipeline>/taesd for previews
 STAMP_FILE: Final = "kiln_tiny.json"
 
 # Real CLIP and the pipelines' default prompt length; the positional table must cover it.
@@ -105,8 +106,11 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
         pipe = _BUILDERS[family]()
+        taesd = _seeded(40, lambda: _taesd(*TAESD_LATENTS[family]))
         with _quiet_progress_bars():
             pipe.save_pretrained(tmp, safe_serialization=True)
+            taesd.save_pretrained(tmp / "taesd", safe_serialization=True)
+        _drop_config_key(tmp / "taesd" / "config.json", "block_out_channels")
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         # A concurrent builder may have finished first; keep its copy so readers are not cut off.
@@ -213,6 +217,32 @@ def _clip_config(vocab_size: int, hidden_act: str) -> CLIPTextConfig:
         bos_token_id=vocab_size - 2,
         eos_token_id=vocab_size - 1,
         pad_token_id=vocab_size - 1,
+    )
+
+
+# (latent channels, scaling, shift) as the family's TAESD expects: sd15/sdxl TAESDs read the
+# denoiser's latents as they are; SD3's mirrors its VAE's scale and shift.
+TAESD_LATENTS: Final = {"sd15": (4, 1.0, 0.0), "sdxl": (4, 1.0, 0.0), "sd3": (16, 1.5035, 0.0609)}
+
+
+def _drop_config_key(path: Path, key: str) -> None:
+    # AutoencoderTiny records block_out_channels in its config but does not take it back,
+    # warning on every load; TAESD's published configs do not carry it either.
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _taesd(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderTiny:
+    """An AutoencoderTiny with TAESD's layout (8x, four levels) but a few channels a level."""
+    return AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        num_encoder_blocks=(1, 1, 1, 1),
+        num_decoder_blocks=(1, 1, 1, 1),
+        latent_channels=latent_channels,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
     )
 
 
