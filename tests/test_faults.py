@@ -5,6 +5,7 @@ message, is not retried, and the worker takes the next job."""
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,30 @@ def test_full_disk_fails_the_job_clearly_and_leaves_no_partial_files(
     assert not list((settings.output_dir / job.id).glob(".*.tmp"))
     assert after.wait(timeout=1).model == "tiny-sd15"
     assert [r.status for r in records(settings.timings_log)] == ["failed", "done"]
+
+
+def test_a_timeout_inside_a_guarded_step_still_ends_the_job(
+    redis_conn: Redis, make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Previews (like compile fallbacks) catch Exception so they never fail a job; the job
+    timeout must pass through them, or the job would run on unbounded."""
+    import worker.render as render_module
+
+    def stuck_preview(*_args: Any) -> None:
+        time.sleep(30)  # the 2 s timeout lands in here
+
+    monkeypatch.setattr(render_module, "decode_preview", stuck_preview)
+    settings = make_settings(job_timeout_s=2)
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    renderer.render({"model": "tiny-sd15", "prompt": "warm", "steps": 1}, LocalContext("warm-up"))
+    client = client_for(redis_conn, settings)
+    stuck = client.submit({"model": "tiny-sd15", "prompt": "stuck", "steps": 8})
+    quick = client.submit({"model": "tiny-sd15", "prompt": "quick", "steps": 1})
+    started = time.monotonic()
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    assert time.monotonic() - started < 25  # not the 30 s the preview would have slept
+    with pytest.raises(RenderFailed, match="ran past its timeout of 2 s"):
+        stuck.wait(timeout=1)
+    assert quick.wait(timeout=1).steps == 1
+    failed = [r for r in records(settings.timings_log) if r.job_id == stuck.id]
+    assert [r.status for r in failed] == ["failed"] and "JobTimedOut" in (failed[0].error or "")

@@ -25,7 +25,7 @@ from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.timeouts import JobTimeoutException
+from rq.timeouts import UnixSignalDeathPenalty
 from rq.worker import DequeueStrategy
 
 from api_client import keys
@@ -42,6 +42,19 @@ REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _renderer: Renderer | None = None
 # Set by a second SIGTERM/SIGINT: the running job stops at its next step and goes back to its queue.
 _shutdown_now = threading.Event()
+
+
+class JobTimedOut(BaseException):
+    """KILN_JOB_TIMEOUT_S passed. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way (a compile fallback, a preview, a quantization check) can
+    swallow it and leave the job running unbounded, as RQ's Exception-based timeout would."""
+
+
+class TimeoutPenalty(UnixSignalDeathPenalty):
+    """RQ's SIGALRM job timeout, raising JobTimedOut."""
+
+    def handle_death_penalty(self, signum: int, frame: FrameType | None) -> None:
+        raise JobTimedOut(f"ran past its timeout of {self._timeout} s")
 
 
 class RefusedJob(Exception):
@@ -126,10 +139,8 @@ def render_job(request: dict[str, Any]) -> dict[str, Any]:
         result = current_renderer().render(request, ctx)
     except ShutdownStop:
         raise
-    except JobTimeoutException as exc:
-        _record_error(
-            job, "JobTimeout", f"job {job.id} ran past its timeout of {job.timeout} s ({exc})"
-        )
+    except JobTimedOut:
+        _record_error(job, "JobTimeout", f"job {job.id} ran past its timeout of {job.timeout} s")
         raise
     except Exception as exc:
         _record_error(job, type(exc).__name__, str(exc))
@@ -239,6 +250,7 @@ class KilnWorker(SimpleWorker):
     """One process per device; the pipeline stays resident across jobs (no fork per job)."""
 
     job_class = RenderJob
+    death_penalty_class = TimeoutPenalty
     # A killed worker's job is recovered within heartbeat_ttl_s + heartbeat_interval_s.
     heartbeat_interval_s = 2.0
     heartbeat_ttl_s = 10

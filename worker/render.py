@@ -130,7 +130,7 @@ class Renderer:
         except JobStopped as exc:
             record.status, record.error = "stopped", str(exc)
             raise
-        except Exception as exc:
+        except BaseException as exc:  # errors, and a job timeout (a BaseException by design)
             record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
