@@ -55,6 +55,15 @@ def main() -> int:
         url, server = private_redis(ROOT / "run" / "redis")
         console.print(f"[bold]redis[/]: private redis-server at {url}")
     os.environ["KILN_REDIS_URL"] = url
+    try:
+        return run(url, args.suite, started)
+    finally:
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+
+
+def run(url: str, suite_path: Path, started: float) -> int:
+    """Steps 2-5 against the Redis at url; returns the exit status."""
     settings = Settings()
 
     # 2. Tiny models, built once (seconds).
@@ -71,14 +80,11 @@ def main() -> int:
     )
 
     # 3. Enqueue the suite through the client (validated against the manifests).
-    suite = json.loads(args.suite.read_text())
+    suite = json.loads(suite_path.read_text())
     client = KilnClient(url, manifests_dir=settings.manifests)
     jobs = [client.submit(request) for request in suite["jobs"]]
     models = sorted({request["model"] for request in suite["jobs"]})
-    console.print(
-        f"[bold]queued[/]: {len(jobs)} jobs from {args.suite.relative_to(ROOT)} "
-        f"on {len(models)} queues"
-    )
+    console.print(f"[bold]queued[/]: {len(jobs)} jobs from {suite_path} on {len(models)} queues")
 
     # 4. One burst worker, its JSON log lines kept in run/worker.log.
     log_path = ROOT / "run" / "worker.log"
@@ -109,8 +115,6 @@ def main() -> int:
     console.print(
         f"done in {time.perf_counter() - started:.1f} s; {len(jobs) - failed} ok, {failed} failed"
     )
-    if server is not None:
-        server.shutdown()  # type: ignore[attr-defined]
     return 1 if failed else 0
 
 
