@@ -43,6 +43,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", type=Path, default=ROOT / "bench" / "suites" / "demo.json")
     args = parser.parse_args()
+    if not args.suite.is_file():
+        parser.error(f"--suite {args.suite}: no such file")
     started = time.perf_counter()
 
     # 1. Redis: the operator's, or a private one.
