@@ -130,3 +130,17 @@ def test_profile_writes_a_trace_with_kiln_phases(
     assert "kiln.denoise" in done.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "kiln.decode" for e in events)
+
+
+def test_bench_names_the_file_and_field_of_a_bad_matrix(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
+    matrix = tmp_path / "m.json"
+    matrix.write_text(
+        json.dumps({"cells": [{"model": "tiny-sd15", "steps": [], "sizes": [[128, 128]]}]})
+    )
+    done = kiln("bench", "--matrix", str(matrix), env=kiln_env)
+    assert done.returncode == 2
+    assert f"{matrix}: cells.0.steps" in done.stdout
+    missing = kiln("bench", "--suite", str(tmp_path / "none.json"), env=kiln_env)
+    assert missing.returncode == 2 and "none.json: cannot read" in missing.stdout

@@ -14,7 +14,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.report import percentile, summarize, write_chart, write_csv
 from worker.settings import Settings
@@ -62,10 +62,25 @@ class Group:
         return [r for r in self.records if r.status == "done" and not r.cold]
 
 
+class BenchInputInvalid(ValueError):
+    """A suite or matrix file is missing or breaks its schema; names the file and the fields."""
+
+
 def load_inputs(suite_path: Path, matrix_path: Path) -> tuple[Suite, Matrix]:
-    suite = Suite.model_validate_json(suite_path.read_text())
-    matrix = Matrix.model_validate_json(matrix_path.read_text())
-    return suite, matrix
+    return _load(Suite, suite_path), _load(Matrix, matrix_path)
+
+
+def _load(kind: type[Any], path: Path) -> Any:
+    try:
+        return kind.model_validate_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BenchInputInvalid(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(file)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise BenchInputInvalid(f"{path}: {problems}") from None
 
 
 def plan(suite: Suite, matrix: Matrix) -> list[tuple[Cell, dict[str, Any]]]:
@@ -274,7 +289,11 @@ def run_bench(
     from worker.manifest import load_manifests
 
     console = wide_console()
-    suite, matrix = load_inputs(suite_path, matrix_path)
+    try:
+        suite, matrix = load_inputs(suite_path, matrix_path)
+    except BenchInputInvalid as exc:
+        console.print(f"kiln bench: {exc}")
+        return 2
     out = out or Path("bench") / "results" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "timings.jsonl"
