@@ -144,3 +144,10 @@ def test_bench_names_the_file_and_field_of_a_bad_matrix(
     assert f"{matrix}: cells.0.steps" in done.stdout
     missing = kiln("bench", "--suite", str(tmp_path / "none.json"), env=kiln_env)
     assert missing.returncode == 2 and "none.json: cannot read" in missing.stdout
+
+
+def test_profile_refuses_a_bad_request_before_loading(kiln_env: dict[str, str]) -> None:
+    done = kiln("profile", "--model", "tiny-sd15", "--steps", "999", env=kiln_env)
+    assert done.returncode == 2 and "steps=999" in done.stderr and "Traceback" not in done.stderr
+    unknown = kiln("profile", "--model", "nope", env=kiln_env)
+    assert unknown.returncode == 2 and "nope" in unknown.stderr and "no manifest" in unknown.stderr

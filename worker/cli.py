@@ -282,7 +282,14 @@ def _profile(args: argparse.Namespace) -> int:
         if getattr(args, field) is not None:
             request[field] = getattr(args, field)
     logs.configure("json", quiet=True)
-    return run_profile(_settings(), request, args.trace, warmup=args.warmup)
+    from api_client import KilnError
+    from worker.manifest import ManifestsInvalid
+
+    try:
+        return run_profile(_settings(), request, args.trace, warmup=args.warmup)
+    except (KilnError, ManifestsInvalid) as exc:
+        print(f"kiln profile: {exc}", file=sys.stderr)
+        return 2
 
 
 def _tiny_models(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, 
         unknown = sorted(set(only) - set(manifests))
         if unknown:
             problems = [
-                Problem("--models", model_id, "no manifest with this id") for model_id in unknown
+                Problem("model", model_id, "no manifest with this id") for model_id in unknown
             ]
             raise ManifestsInvalid([ManifestInvalid(directory, problems)])
         manifests = {model_id: manifests[model_id] for model_id in only}

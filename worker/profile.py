@@ -24,6 +24,7 @@ def run_profile(
 
     console = wide_console()
     renderer = Renderer(settings, load_manifests(settings.manifests, [request["model"]]))
+    renderer.validate(request)  # a bad request is refused before anything loads
     # 1. Warm-up outside the profiler: load, compile and cache fill are not steady state.
     for _ in range(warmup):
         renderer.render(request, LocalContext(f"profile-warmup-{uuid.uuid4().hex[:8]}"))
