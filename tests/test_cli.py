@@ -102,3 +102,12 @@ def test_tiny_models_verb_builds_into_a_directory(tmp_path: Path, kiln_env: dict
     for name in ("tiny-sd15", "tiny-sdxl", "tiny-sd3"):
         assert (tmp_path / "m" / name / "model_index.json").is_file()
     assert time.perf_counter() - started < 120  # generous: a cold interpreter imports diffusers
+
+
+def test_unreachable_redis_is_one_clear_line_without_the_password(kiln_env: dict[str, str]) -> None:
+    env = {**kiln_env, "KILN_REDIS_URL": "redis://kiln:s3cret@127.0.0.1:1/0"}
+    for verb in (("models",), ("submit", "a fox", "--model", "tiny-sd15")):
+        done = kiln(*verb, env=env)
+        assert done.returncode == 1, done.stderr
+        assert f"kiln {verb[0]}: cannot reach Redis at redis://***@127.0.0.1:1/0" in done.stderr
+        assert "s3cret" not in done.stderr and "Traceback" not in done.stderr

@@ -19,13 +19,23 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # redis is imported by the verbs that talk to it, never up front (kiln --help stays light).
+        redis_errors = sys.modules.get("redis.exceptions")
+        if redis_errors is not None and isinstance(exc, redis_errors.ConnectionError):
+            from worker.serve import redacted
+
+            url = redacted(_settings().redis_url)
+            print(f"kiln {args.verb}: cannot reach Redis at {url}: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", description="A render worker for diffusion models."
     )
-    verbs = parser.add_subparsers(title="commands", metavar="COMMAND")
+    verbs = parser.add_subparsers(title="commands", metavar="COMMAND", dest="verb")
 
     worker = verbs.add_parser(
         "worker", help="serve render jobs from Redis (keeps pipelines resident)"

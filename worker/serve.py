@@ -57,7 +57,7 @@ def serve(
         device_name=info.name,
         memory_mode=settings.memory_mode,
         free_gb=round(info.free_bytes / 1e9, 2),
-        redis=_redacted(settings.redis_url),
+        redis=redacted(settings.redis_url),
     )
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.WARNING))
     if burst or worker.stopping:
@@ -97,7 +97,7 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
         log.info("prewarmed", model=model_id, sizes=len(manifest.resolutions))
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """Never log a Redis password."""
     scheme, sep, rest = url.partition("://")
     if "@" in rest:
