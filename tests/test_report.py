@@ -11,7 +11,7 @@ from api_client.schema import Timings
 from tests.conftest import kiln
 from worker.bench import linear_fit
 from worker.report import percentile, summarize
-from worker.timings import TimingRecord
+from worker.timings import FitTracker, TimingRecord
 
 
 def _record(model: str, total: float, cold: bool = False, status: str = "done") -> TimingRecord:
@@ -30,6 +30,12 @@ def test_summary_excludes_cold_and_failed_runs_and_measures_drift() -> None:
     records += [_record("a", 1.0 + i * 0.01) for i in range(10)] + [
         _record("a", 2.0 + i * 0.01) for i in range(10)
     ]
+    # A job answered from disk after a crash rendered nothing: no steady-state sample.
+    from_disk = TimingRecord(
+        job_id="disk", model="a", status="done", timings=Timings(total=0.01), steps=8
+    )
+    assert not from_disk.steady and FitTracker().add(from_disk) is None
+    records.append(from_disk)
     [summary] = summarize(records, window=10)
     assert summary.jobs == 20 and summary.cold == 1 and summary.failed == 1
     assert summary.phases["total"].median < 100

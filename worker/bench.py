@@ -59,7 +59,7 @@ class Group:
 
     @property
     def warm(self) -> list[TimingRecord]:
-        return [r for r in self.records if r.status == "done" and not r.cold]
+        return [r for r in self.records if r.steady]
 
 
 class BenchInputInvalid(ValueError):

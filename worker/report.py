@@ -45,7 +45,7 @@ def summarize(records: list[TimingRecord], window: int = 10) -> list[ModelSummar
         by_model[record.model or "?"].append(record)
     summaries = []
     for model, group in sorted(by_model.items()):
-        warm = [r for r in group if r.status == "done" and not r.cold]
+        warm = [r for r in group if r.steady]
         phases = (
             {
                 phase: PhaseStats(

@@ -83,6 +83,12 @@ class TimingRecord(BaseModel):
     worker: str | None = None
     finished_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))  # set by emit
 
+    @property
+    def steady(self) -> bool:
+        """A warm render: done, not cold, and really rendered (not answered from disk after a
+        crash). Only these go into medians and timing fits."""
+        return self.status == "done" and not self.cold and self.timings.denoise > 0
+
 
 def emit(record: TimingRecord, log_path: Path) -> None:
     """Log the record through structlog and append it to the timings log as one JSON line."""
@@ -124,7 +130,7 @@ class FitTracker:
         self._samples: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
 
     def add(self, record: TimingRecord) -> tuple[str, int, int] | None:
-        if record.status != "done" or record.cold or not record.model or not record.steps:
+        if not record.steady or not record.model or not record.steps:
             return None
         if record.width is None or record.height is None:
             return None
