@@ -10,7 +10,7 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from worker.queue import make_worker
 
 
@@ -74,3 +74,25 @@ def test_workers_publish_models_resident_and_heartbeat(
     listed = {m["id"]: m for m in json.loads(shown.stdout)}
     assert listed["tiny-sd15"]["resident_on"] == [worker.name]
     assert listed["tiny-sdxl"]["workers"] == [worker.name]
+
+
+def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, settings: Any) -> None:
+    """`--metrics-port`: after a burst, /metrics shows the jobs by status and phase histograms."""
+    import socket
+    import urllib.request
+
+    from worker.metrics import start_metrics
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start_metrics(port)
+    client = client_for(redis_conn, settings)
+    client.submit({"model": "tiny-sd15", "prompt": "counted", "steps": 2})
+    enqueue_raw(redis_conn, "tiny-sd15", {"request": {"model": "tiny-sd15", "prompt": ""}})
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert 'kiln_jobs_total{model="tiny-sd15",status="done"}' in text
+    assert 'kiln_jobs_total{model="tiny-sd15",status="failed"}' in text
+    assert 'kiln_phase_seconds_count{model="tiny-sd15",phase="denoise"}' in text

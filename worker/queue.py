@@ -32,7 +32,7 @@ from api_client import keys
 from api_client.schema import RENDER_FUNC
 from worker import metrics
 from worker.manifest import publish_manifests
-from worker.render import JobStopped, Renderer
+from worker.render import JobStopped, Renderer, requested_model
 from worker.timings import FitTracker, TimingRecord, emit
 
 log = logging.getLogger(__name__)
@@ -359,10 +359,9 @@ class KilnWorker(SimpleWorker):
             request = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
         except Exception:
             request = None
-        model = request.get("model") if isinstance(request, dict) else None
         record = TimingRecord(
             job_id=job.id,
-            model=model if isinstance(model, str) else None,
+            model=requested_model(request),
             status="stopped" if isinstance(exc, JobStopped) else "failed",
             error=f"{type(exc).__name__}: {exc}" if exc is not None else "failed before rendering",
             worker=self.name,

@@ -70,6 +70,12 @@ class LocalContext:
         return False
 
 
+def requested_model(payload: Any) -> str | None:
+    """The model a raw payload names, if it names one; for records of jobs that fail early."""
+    model = payload.get("model") if isinstance(payload, dict) else None
+    return model if isinstance(model, str) else None
+
+
 class JobStopped(Exception):
     """A cancel was honoured at a step boundary; the job ends as stopped and is not retried."""
 
@@ -103,7 +109,10 @@ class Renderer:
         watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
         started_at = datetime.now(timezone.utc)
         record = TimingRecord(
-            job_id=ctx.job_id, worker=self.worker_name, device=self.info.torch_device
+            job_id=ctx.job_id,
+            worker=self.worker_name,
+            device=self.info.torch_device,
+            model=requested_model(payload),  # so a refused request still counts against its model
         )
         try:
             # 1. Validate against the manifest: never trust the queue.
