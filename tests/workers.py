@@ -19,25 +19,12 @@ from redis import Redis
 from tests.conftest import MANIFESTS, ROOT
 
 SLOW_MODEL = "tiny-slow"
+
+
 # The fake for "a long job": each denoise step also sleeps, so a test can act mid-job however
 # fast or loaded the machine is. The render itself is real. Run in a worker process via code=.
-PACED = """
-import time, worker.queue as q
-_progress = q.RQJobContext.progress
-def _paced(self, phase, step, steps, preview=None):
-    _progress(self, phase, step, steps, preview)
-    if phase == "denoise" and step:
-        time.sleep({seconds})
-q.RQJobContext.progress = _paced
-"""
-
-
-def paced(seconds: float) -> str:
-    return PACED.format(seconds=seconds)
-
-
-def pace_here(monkeypatch: Any, seconds: float) -> None:
-    """The same pacing fake for an in-process worker, undone when the test ends."""
+def pacing(seconds: float) -> Callable[..., None]:
+    """RQJobContext.progress that also sleeps after each denoise step."""
     import worker.queue as q
 
     progress = q.RQJobContext.progress
@@ -49,7 +36,24 @@ def pace_here(monkeypatch: Any, seconds: float) -> None:
         if phase == "denoise" and step:
             time.sleep(seconds)
 
-    monkeypatch.setattr(q.RQJobContext, "progress", paced_progress)
+    return paced_progress
+
+
+def paced(seconds: float) -> str:
+    """The pacing fake as code= for a worker subprocess (run from the repository root)."""
+    return (
+        "import sys, worker.queue as q\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests.workers import pacing\n"
+        f"q.RQJobContext.progress = pacing({seconds})\n"
+    )
+
+
+def pace_here(monkeypatch: Any, seconds: float) -> None:
+    """The same pacing fake for an in-process worker, undone when the test ends."""
+    import worker.queue as q
+
+    monkeypatch.setattr(q.RQJobContext, "progress", pacing(seconds))
 
 
 STARTUP_S = 90.0  # torch + diffusers import, model load; generous on a shared 2-core machine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,10 +355,8 @@ class PipelineCache:
     def __init__(self, info: DeviceInfo) -> None:
         self.info = info
         self._resident: OrderedDict[str, LoadedPipeline] = OrderedDict()
-        self.evictions: list[Eviction] = []  # every eviction this process made, oldest first
-
-    def __contains__(self, model_id: str) -> bool:
-        return model_id in self._resident
+        # The latest evictions, oldest first; bounded, since a worker runs for months.
+        self.evictions: deque[Eviction] = deque(maxlen=100)
 
     def get(self, model_id: str) -> LoadedPipeline | None:
         loaded = self._resident.get(model_id)
