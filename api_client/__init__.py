@@ -1,6 +1,6 @@
 """kiln's client: submit render jobs to kiln workers through Redis. Never imports torch."""
 
-from api_client.client import KilnClient, KilnJob, ModelInfo, TimingFit
+from api_client.client import KilnClient, KilnJob, ModelInfo
 from api_client.errors import (
     JobTimeout,
     KilnError,
@@ -10,7 +10,7 @@ from api_client.errors import (
     UnknownJob,
 )
 from api_client.manifest import Manifest, ManifestInvalid
-from api_client.schema import Progress, RenderRequest, RenderResult
+from api_client.schema import Progress, RenderRequest, RenderResult, TimingFit, WorkerState
 
 __all__ = [
     "JobTimeout",
@@ -28,4 +28,5 @@ __all__ = [
     "RequestRejected",
     "TimingFit",
     "UnknownJob",
+    "WorkerState",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -20,7 +19,15 @@ from rq.serializers import JSONSerializer
 from api_client import keys
 from api_client.errors import JobTimeout, RenderFailed, UnknownJob
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
-from api_client.schema import RENDER_FUNC, Progress, RenderRequest, RenderResult
+from api_client.schema import (
+    RENDER_FUNC,
+    JobError,
+    Progress,
+    RenderRequest,
+    RenderResult,
+    TimingFit,
+    WorkerState,
+)
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 JOB_TIMEOUT_S = 600
@@ -29,18 +36,6 @@ STOP_TTL_S = 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
-
-
-@dataclass(frozen=True)
-class TimingFit:
-    """A worker's measured fit for one model and size: seconds = fixed_s + steps * per_step_s."""
-
-    fixed_s: float
-    per_step_s: float
-    samples: int
-
-    def eta(self, steps: int, num_images: int = 1) -> float:
-        return num_images * (self.fixed_s + steps * self.per_step_s)
 
 
 @dataclass(frozen=True)
@@ -92,8 +87,9 @@ class KilnJob:
         if status == JobStatus.FINISHED:
             return RenderResult.model_validate(job.return_value(refresh=True))
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-            meta = job.get_meta(refresh=False)
-            message = (meta.get("error") or {}).get("message") or _last_line(job.latest_result())
+            raw = job.get_meta(refresh=False).get("error")
+            error = JobError.model_validate(raw) if raw else None
+            message = error.message if error else _last_line(job.latest_result())
             raise RenderFailed(self.id, message or str(status.value), status=str(status.value))
         return None
 
@@ -210,32 +206,29 @@ class KilnClient:
         for raw_key, raw in self.connection.hgetall(keys.FITS_KEY).items():
             model_id, _, size = _text(raw_key).rpartition(":")
             width, _, height = size.partition("x")
-            data = json.loads(raw)
-            fits.setdefault(model_id, {})[(int(width), int(height))] = TimingFit(
-                fixed_s=float(data["fixed_s"]),
-                per_step_s=float(data["per_step_s"]),
-                samples=int(data["samples"]),
+            fits.setdefault(model_id, {})[(int(width), int(height))] = (
+                TimingFit.model_validate_json(raw)
             )
         serving: dict[str, list[str]] = {}
         resident: dict[str, list[str]] = {}
         for state in self.workers():
-            for model_id in state.get("models", []):
-                serving.setdefault(model_id, []).append(state["name"])
-            for model_id in state.get("resident", []):
-                resident.setdefault(model_id, []).append(state["name"])
+            for model_id in state.models:
+                serving.setdefault(model_id, []).append(state.name)
+            for model_id in state.resident:
+                resident.setdefault(model_id, []).append(state.name)
         return [
             ModelInfo(m, fits.get(m.id, {}), serving.get(m.id, []), resident.get(m.id, []))
             for m in sorted(manifests.values(), key=lambda m: m.id)
         ]
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> list[WorkerState]:
         """Live workers' published state (those whose heartbeat key has not expired)."""
         members = cast(list[bytes], self.connection.zrange(keys.WORKERS_KEY, 0, -1))
         names = [_text(n) for n in members]
         if not names:
             return []
         states = self.connection.mget([keys.worker_key(n) for n in names])
-        return [json.loads(raw) for raw in states if raw]
+        return [WorkerState.model_validate_json(raw) for raw in states if raw]
 
 
 def _text(value: bytes | str) -> str:

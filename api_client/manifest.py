@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api_client.errors import Problem, RequestRejected
-from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest
+from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest, Rung
 
 Family = Literal["sd15", "sd2", "sdxl", "sd3"]
 Scheduler = Literal[
@@ -33,7 +33,6 @@ SwitchName = Literal[
     "taesd_preview",
 ]
 QuantScheme = Literal["int8", "int8_dynamic", "int4", "fp8"]
-LowerRung = Literal["model_offload", "group_offload"]
 
 
 class _Strict(BaseModel):
@@ -76,7 +75,7 @@ class Manifest(_Strict):
     guidance: GuidanceRange
     resolutions: list[tuple[int, int]] = Field(min_length=1)
     min_vram_gb: float = Field(ge=0)
-    rung_vram_gb: dict[LowerRung, float] = Field(default_factory=dict)
+    rung_vram_gb: dict[Rung, float] = Field(default_factory=dict)
     quantize: dict[str, QuantScheme] = Field(default_factory=dict)
     compile: Literal["auto", "required", "off"] = "auto"
     benchmark_only: bool = False
@@ -100,6 +99,8 @@ class Manifest(_Strict):
     @classmethod
     def _rung_needs_non_negative(cls, needs: dict[str, float]) -> dict[str, float]:
         for rung, need in needs.items():
+            if rung == "full":
+                raise ValueError("full needs min_vram_gb, not an entry here")
             if need < 0:
                 raise ValueError(f"{rung} needs {need} GB; must be >= 0")
         return needs

@@ -1,9 +1,10 @@
-"""The request and result shapes shared by the client and the worker (pure pydantic, no torch)."""
+"""Everything kiln puts on the wire, as pydantic models the worker writes and the client reads:
+the request and result, job progress and errors, worker state and timing fits (no torch here)."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,10 +21,14 @@ PHASES: tuple[str, ...] = (
     "save",
     "total",
 )
-RUNGS: tuple[str, ...] = ("full", "model_offload", "group_offload")
+# The memory ladder's rungs, best first: declared here once, for the worker and the client.
+Rung = Literal["full", "model_offload", "group_offload"]
+RUNGS: tuple[Rung, ...] = get_args(Rung)
 MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4
+# The function name every kiln job carries. Workers check it and run kiln's render; they never
+# import or call what a payload names, so this is a label on the wire, not a code path.
 RENDER_FUNC = "worker.queue.render_job"
 
 
@@ -146,7 +151,41 @@ class RenderResult(BaseModel):
 
 
 class Progress(BaseModel):
+    """job.meta["progress"]: where a running job is; written by the worker only."""
+
     phase: str
     step: int = 0
     steps: int = 0
     preview: str | None = None  # path of the latest TAESD preview image, when previews are on
+
+
+class JobError(BaseModel):
+    """job.meta["error"]: why a job failed, stopped or was refused, in the worker's words."""
+
+    type: str
+    message: str
+
+
+class WorkerState(BaseModel):
+    """kiln:worker:<name>: what a live worker serves and holds, refreshed with its heartbeat."""
+
+    name: str
+    models: list[str]
+    resident: list[str]
+    device: str
+    device_name: str
+    state: str
+    heartbeat: float  # unix seconds
+    pid: int
+    host: str
+
+
+class TimingFit(BaseModel):
+    """kiln:fits field "<model>:<w>x<h>": seconds = fixed_s + steps * per_step_s, per image."""
+
+    fixed_s: float
+    per_step_s: float
+    samples: int
+
+    def eta(self, steps: int, num_images: int = 1) -> float:
+        return num_images * (self.fixed_s + steps * self.per_step_s)

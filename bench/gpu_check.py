@@ -28,14 +28,16 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402 - after the path fix so `python bench/gpu_check.py` finds kiln
 
 from api_client.manifest import Manifest  # noqa: E402
+from api_client.schema import RUNGS  # noqa: E402
+from worker.context import LocalContext  # noqa: E402
 from worker.faults import FaultPlan  # noqa: E402
-from worker.pipelines import load_pipeline  # noqa: E402
+from worker.loading import load_pipeline  # noqa: E402
 from worker.quantize import weight_summary  # noqa: E402
-from worker.render import LocalContext, Renderer  # noqa: E402
+from worker.render import Renderer  # noqa: E402
 from worker.settings import Settings  # noqa: E402
+from worker.timings import TimingRecord  # noqa: E402
 
 CONFIGS = ROOT / "bench" / "configs"
-RUNGS = ("full", "model_offload", "group_offload")
 MB = 1e6
 
 # Dry-run shrinks every width and depth so a CPU builds and renders each case in seconds, while
@@ -251,6 +253,21 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
 # 2. Each rung: a cold job (load, cache fill) then a warm one, timed by kiln's own stopwatch
 
 
+def _renderer(settings: Settings, manifest: Manifest) -> Renderer:
+    """A renderer for one manifest that keeps its timing records (read with _records)."""
+    records: list[TimingRecord] = []
+    renderer = Renderer(settings, {manifest.id: manifest}, on_record=records.append)
+    _RECORDS[id(renderer)] = records
+    return renderer
+
+
+def _records(renderer: Renderer) -> list[TimingRecord]:
+    return _RECORDS.get(id(renderer), [])
+
+
+_RECORDS: dict[int, list[TimingRecord]] = {}
+
+
 def _job(renderer: Renderer, manifest: Manifest, steps: int, tag: str) -> dict[str, Any]:
     size = manifest.default_size
     payload = {
@@ -262,8 +279,7 @@ def _job(renderer: Renderer, manifest: Manifest, steps: int, tag: str) -> dict[s
         "seed": 1,
     }
     result = renderer.render(payload, LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}"))
-    record = renderer.last_record
-    assert record is not None
+    record = _records(renderer)[-1]
     return {
         "rung": result.rung,
         "attempts": [a.model_dump(exclude_none=True) for a in result.attempts],
@@ -290,7 +306,7 @@ def _check_rungs(
             report.skipped.append(f"rung {label}: time budget spent")
             continue
         pinned = settings.model_copy(update={"memory_mode": rung, "compile": "off"})
-        renderer = Renderer(pinned, {manifest.id: manifest})
+        renderer = _renderer(pinned, manifest)
         try:
             cold = _job(renderer, manifest, steps, "cold")
             warm = _job(renderer, manifest, steps, "warm")
@@ -336,9 +352,8 @@ def _check_compile(
             report.skipped.append(f"compile {label}: time budget spent")
             continue
         eager = next((r["warm"] for r in report.rungs if r["case"] == f"{label} full"), None)
-        renderer = Renderer(
-            settings.model_copy(update={"memory_mode": "full", "compile": "on"}),
-            {manifest.id: manifest},
+        renderer = _renderer(
+            settings.model_copy(update={"memory_mode": "full", "compile": "on"}), manifest
         )
         try:
             cold = _job(renderer, manifest, steps, "compile-cold")
@@ -424,15 +439,17 @@ def _check_oom(
         # No allocator cap on CPU: drill the same sequence with KILN_FAULTS.
         auto = auto.model_copy(update={"faults": "oom@load:full,oom@denoise:model_offload*2"})
         how = "drilled: KILN_FAULTS=oom@load:full,oom@denoise:model_offload*2 (no GPU)"
-    renderer = Renderer(auto, {manifest.id: manifest})
+    renderer = _renderer(auto, manifest)
     try:
         job = _job(renderer, manifest, steps, "oom")
         report.oom = {"how": how, **job}
         if job["rung"] == "full" or not any(a["outcome"] == "oom" for a in job["attempts"]):
             report.failures.append(f"oom: no out-of-memory happened ({job['attempts']})")
     except Exception as exc:
-        record = renderer.last_record
-        attempts = [a.model_dump(exclude_none=True) for a in record.attempts] if record else []
+        records = _records(renderer)
+        attempts = (
+            [a.model_dump(exclude_none=True) for a in records[-1].attempts] if records else []
+        )
         report.oom = {"how": how, "error": f"{type(exc).__name__}: {exc}", "attempts": attempts}
         report.failures.append(f"oom: the ladder did not survive: {exc}")
     finally:

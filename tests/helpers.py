@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -9,14 +10,22 @@ from redis import Redis
 
 from api_client import KilnClient
 from worker.manifest import load_manifests
-from worker.queue import KilnWorker, make_worker
+from worker.queue import KilnWorker, RecordPublisher, make_worker
 from worker.render import Renderer
 from worker.settings import Settings
 from worker.timings import TimingRecord, read_records
 
 
-def make_renderer(settings: Settings, models: list[str] | None = None) -> Renderer:
-    return Renderer(settings, load_manifests(settings.manifests, models))
+def make_renderer(
+    settings: Settings, models: list[str] | None = None, conn: Redis | None = None
+) -> Renderer:
+    """A renderer as `kiln worker` builds one; with conn, its records publish timing fits."""
+    return Renderer(
+        settings,
+        load_manifests(settings.manifests, models),
+        worker_name=f"test-{uuid.uuid4().hex[:8]}",
+        on_record=RecordPublisher(conn) if conn is not None else None,
+    )
 
 
 def burst(conn: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:

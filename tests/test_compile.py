@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
+from worker.errors import CompileRequired
 from worker.faults import FaultPlan
+from worker.loading import load_pipeline
 from worker.manifest import load_manifests
-from worker.pipelines import CompileRequired, LoadedPipeline, load_pipeline
+from worker.resident import LoadedPipeline
 from worker.settings import Settings
 
 MODEL = "tiny-sd15"
@@ -65,9 +68,9 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
     def broken_backend(gm: Any, inputs: Any) -> Any:
         raise RuntimeError("injected compiler failure")
 
-    def compile_with_broken_backend(loaded: LoadedPipeline, settings: Settings) -> str:
+    def compile_with_broken_backend(denoiser: torch.nn.Module, settings: Settings) -> str:
         # A small region keeps Dynamo's tracing cheap; the failure path is the same.
-        worker.compile.denoiser_of(loaded).time_embedding.compile(backend=broken_backend)
+        denoiser.time_embedding.compile(backend=broken_backend)  # type: ignore[operator]
         return "test: time_embedding with a broken backend"
 
     monkeypatch.setattr(worker.compile, "compile_denoiser", compile_with_broken_backend)

@@ -16,7 +16,7 @@ from api_client import KilnClient, RenderFailed
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.workers import SLOW_MODEL, pace_here, slow_manifests
 from worker import output
-from worker.render import LocalContext
+from worker.context import LocalContext
 
 
 def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
@@ -92,12 +92,12 @@ def test_a_timeout_inside_a_guarded_step_still_ends_the_job(
 ) -> None:
     """Previews (like compile fallbacks) catch Exception so they never fail a job; the job
     timeout must pass through them, or the job would run on unbounded."""
-    import worker.render as render_module
+    import worker.generate as generate_module
 
     def stuck_preview(*_args: Any) -> None:
         time.sleep(30)  # the 2 s timeout lands in here
 
-    monkeypatch.setattr(render_module, "decode_preview", stuck_preview)
+    monkeypatch.setattr(generate_module, "decode_preview", stuck_preview)
     settings = make_settings(job_timeout_s=2)
     renderer = make_renderer(settings, ["tiny-sd15"])
     renderer.render({"model": "tiny-sd15", "prompt": "warm", "steps": 1}, LocalContext("warm-up"))
@@ -111,4 +111,6 @@ def test_a_timeout_inside_a_guarded_step_still_ends_the_job(
         stuck.wait(timeout=1)
     assert quick.wait(timeout=1).steps == 1
     failed = [r for r in records(settings.timings_log) if r.job_id == stuck.id]
-    assert [r.status for r in failed] == ["failed"] and "JobTimedOut" in (failed[0].error or "")
+    assert [r.status for r in failed] == ["failed"] and "JobDeadlineExceeded" in (
+        failed[0].error or ""
+    )

@@ -15,8 +15,8 @@ from redis import Redis
 from tests.helpers import burst, client_for, make_renderer
 from worker.device import DeviceInfo
 from worker.faults import FaultPlan
+from worker.loading import choose_dtype, load_pipeline
 from worker.manifest import load_manifests
-from worker.pipelines import choose_dtype, load_pipeline
 from worker.quantize import weight_summary
 
 CPU = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
@@ -119,7 +119,7 @@ def test_eviction_releases_the_pipeline_and_its_memory(redis_conn: Redis, settin
 
 @pytest.mark.parametrize("rung", ["model_offload", "group_offload"])
 def test_offloaded_pipelines_are_released_too(settings: Any, rung: str) -> None:
-    from worker.pipelines import PipelineCache
+    from worker.resident import PipelineCache
 
     manifest = load_manifests(settings.manifests, ["tiny-sd15"])["tiny-sd15"]
     cache = PipelineCache(CPU)
@@ -139,7 +139,7 @@ def test_every_manifest_scheduler_name_builds_a_diffusers_scheduler(tiny_dir: Pa
     import diffusers
 
     from api_client.manifest import Scheduler
-    from worker.pipelines import SCHEDULERS
+    from worker.loading import SCHEDULERS
 
     assert set(get_args(Scheduler)) == set(SCHEDULERS)
     config_file = tiny_dir / "tiny-sd15" / "scheduler" / "scheduler_config.json"

@@ -9,9 +9,11 @@ from PIL import Image
 from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
+from worker.context import LocalContext
 from worker.manifest import load_manifests
-from worker.pipelines import preview_steps
-from worker.render import LocalContext, Renderer
+from worker.render import Renderer
+from worker.switches import preview_steps
+from worker.timings import TimingRecord
 
 REQUEST = {"model": "tiny-sdxl", "prompt": "a lighthouse", "steps": 8, "seed": 11}
 
@@ -54,13 +56,14 @@ def test_missing_or_unloadable_taesd_is_skipped_with_its_reason(make_settings: A
         "broken": tiny.model_copy(update={"taesd": "./no-such-taesd"}),  # local: no hub lookup
     }
     for label, manifest in cases.items():
-        renderer = Renderer(settings, {"tiny-sd15": manifest})
+        finished: list[TimingRecord] = []
+        renderer = Renderer(settings, {"tiny-sd15": manifest}, on_record=finished.append)
         result = renderer.render({**REQUEST, "model": "tiny-sd15"}, LocalContext(f"p-{label}"))
         [note] = [n for n in result.settings.skipped if n.name == "taesd_preview"]
         expected = "names no taesd" if label == "none" else "cannot load taesd"
         assert expected in note.reason, note.reason
-        assert result.images and renderer.last_record is not None
-        assert renderer.last_record.previews == 0
+        [record] = finished
+        assert result.images and record.previews == 0
 
 
 def test_preview_steps_are_the_quarters_and_never_the_last() -> None:

@@ -63,8 +63,8 @@ def test_workers_publish_models_resident_and_heartbeat(
     before = time.time()
     worker.publish_state()  # what the pulse thread does every couple of seconds
     [state] = client.workers()
-    assert state["name"] == worker.name and state["models"] == ["tiny-sd15", "tiny-sdxl"]
-    assert state["resident"] == ["tiny-sd15"] and state["heartbeat"] >= before
+    assert state.name == worker.name and state.models == ["tiny-sd15", "tiny-sdxl"]
+    assert state.resident == ["tiny-sd15"] and state.heartbeat >= before
     info = {i.manifest.id: i for i in client.models()}
     assert info["tiny-sd15"].workers == [worker.name] and info["tiny-sd15"].resident_on == [
         worker.name
@@ -90,7 +90,7 @@ def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, settings: An
     client = client_for(redis_conn, settings)
     client.submit({"model": "tiny-sd15", "prompt": "counted", "steps": 2})
     enqueue_raw(redis_conn, "tiny-sd15", {"request": {"model": "tiny-sd15", "prompt": ""}})
-    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"], redis_conn), ["tiny-sd15"])
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     assert 'kiln_jobs_total{model="tiny-sd15",status="done"}' in text

@@ -81,7 +81,7 @@ class Deployment:
             root / "worker.log",
             "--models",
             f"{SLOW_MODEL},tiny-sd15",
-            code=paced(0.3),
+            fake=paced(0.3),
         )
 
     def env_with_path(self) -> dict[str, str]:

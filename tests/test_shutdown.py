@@ -14,12 +14,13 @@ from rq.registry import StartedJobRegistry
 
 from api_client import KilnClient, KilnJob, keys
 from tests.helpers import records
-from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait_until
-
-# A worker that dies the instant after it wrote a job's files, before it could tell Redis.
-DIE_AFTER_SAVE = (
-    "import os, worker.queue as q\n"
-    "q.KilnWorker.handle_job_success = lambda self, *a, **k: os.kill(os.getpid(), 9)"
+from tests.workers import (
+    DIES_AFTER_SAVE,
+    SLOW_MODEL,
+    WorkerProcess,
+    paced,
+    slow_manifests,
+    wait_until,
 )
 
 
@@ -46,8 +47,10 @@ def denoising(job: KilnJob, at_least: int = 1) -> bool:
 def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], settings: Any, tmp_path: Path
 ) -> None:
-    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, code=paced(1.0))
-    saver = WorkerProcess(env, tmp_path / "saver.log", "--models", "tiny-sd15", code=DIE_AFTER_SAVE)
+    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, fake=paced(1.0))
+    saver = WorkerProcess(
+        env, tmp_path / "saver.log", "--models", "tiny-sd15", fake=DIES_AFTER_SAVE
+    )
     reborn: WorkerProcess | None = None
     try:
         mid.wait_ready(redis_conn)
@@ -104,7 +107,7 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     job = client.submit({"model": SLOW_MODEL, "prompt": "interrupted", "steps": 12, "seed": 9})
-    hurried = WorkerProcess(env, tmp_path / "hurried.log", "--models", SLOW_MODEL, code=paced(0.3))
+    hurried = WorkerProcess(env, tmp_path / "hurried.log", "--models", SLOW_MODEL, fake=paced(0.3))
     patient: WorkerProcess | None = None
     try:
         # 1. Two signals: the job stops at its next step and goes back to the front of its queue.
@@ -125,7 +128,7 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
         # 2. One signal: the next worker finishes the re-queued job, then exits 0.
         later = client.submit({"model": SLOW_MODEL, "prompt": "not taken", "steps": 2})
         patient = WorkerProcess(
-            env, tmp_path / "patient.log", "--models", SLOW_MODEL, code=paced(0.3)
+            env, tmp_path / "patient.log", "--models", SLOW_MODEL, fake=paced(0.3)
         )
         wait_until(lambda: denoising(job), STARTUP_S_AND_LOAD, "the re-queued job to start again")
         assert redis_conn.hget(f"rq:job:{job.id}", "worker_name") == patient.name.encode()

@@ -18,7 +18,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
-from worker.tiny import BUILDER_VERSION, FAMILIES, STAMP_FILE, build_tiny_models
+from worker.tiny import BUILDER_VERSION, STAMP_FILE, TINY_FAMILIES, build_tiny_models
 
 PIPELINE_CLASSES: dict[str, type[Any]] = {
     "sd15": StableDiffusionPipeline,
@@ -30,7 +30,7 @@ UNICODE_PROMPT = "a cat 🐱 on a roof, 猫が屋根の上に, кошка, ünï
 LONG_PROMPT = " ".join(["a very detailed photo of a red dragon over the city"] * 30)  # 330 words
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
 def loaded(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[tuple[str, Any]]:
     family: str = request.param
     pipe = PIPELINE_CLASSES[family].from_pretrained(tiny_dir / f"tiny-{family}")
@@ -61,7 +61,7 @@ def _digests(root: Path) -> dict[str, str]:
 def test_builds_every_family_as_a_diffusers_dir(tiny_dir: Path) -> None:
     # Temp and moved-aside dirs are dot-prefixed; none may outlive a build.
     assert not [p.name for p in tiny_dir.iterdir() if p.name.startswith(".")]
-    for family in FAMILIES:
+    for family in TINY_FAMILIES:
         root = tiny_dir / f"tiny-{family}"
         index = json.loads((root / "model_index.json").read_text())
         assert index["_class_name"] == PIPELINE_CLASSES[family].__name__

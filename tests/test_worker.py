@@ -13,10 +13,10 @@ from api_client import RenderFailed
 from api_client.schema import PHASES
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 
-FAMILIES = ["tiny-sd15", "tiny-sdxl", "tiny-sd3"]
+TINY_MODELS = ["tiny-sd15", "tiny-sdxl", "tiny-sd3"]
 
 
-@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("model", TINY_MODELS)
 def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> None:
     client = client_for(redis_conn, settings)
     job = client.submit(
@@ -109,7 +109,7 @@ def test_worker_publishes_manifests_fits_and_state(redis_conn: Redis, settings: 
     client = client_for(redis_conn, settings)
     for seed in range(3):
         client.submit({"model": "tiny-sd15", "prompt": "fit", "steps": 4, "seed": seed})
-    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"], redis_conn), ["tiny-sd15"])
     [info] = [i for i in client.models() if i.manifest.id == "tiny-sd15"]
     fit = info.fits[(128, 128)]
     assert fit.samples == 2  # the cold first job is not averaged in

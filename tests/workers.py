@@ -11,49 +11,39 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from redis import Redis
 
 from tests.conftest import MANIFESTS, ROOT
+from tests.fixtures.pacing import pacing
 
 SLOW_MODEL = "tiny-slow"
 
 
-# The fake for "a long job": each denoise step also sleeps, so a test can act mid-job however
-# fast or loaded the machine is. The render itself is real. Run in a worker process via code=.
-def pacing(seconds: float) -> Callable[..., None]:
-    """RQJobContext.progress that also sleeps after each denoise step."""
-    import worker.queue as q
+@dataclass(frozen=True)
+class Fake:
+    """A worker launcher under tests/fixtures/ that installs one fake, and its parameters."""
 
-    progress = q.RQJobContext.progress
-
-    def paced_progress(
-        self: Any, phase: str, step: int, steps: int, preview: str | None = None
-    ) -> None:
-        progress(self, phase, step, steps, preview)
-        if phase == "denoise" and step:
-            time.sleep(seconds)
-
-    return paced_progress
+    module: str  # e.g. "tests.fixtures.paced_worker"
+    env: dict[str, str] = field(default_factory=dict)
 
 
-def paced(seconds: float) -> str:
-    """The pacing fake as code= for a worker subprocess (run from the repository root)."""
-    return (
-        "import sys, worker.queue as q\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from tests.workers import pacing\n"
-        f"q.RQJobContext.progress = pacing({seconds})\n"
-    )
+DIES_AFTER_SAVE = Fake("tests.fixtures.dies_after_save_worker")
+
+
+def paced(seconds: float) -> Fake:
+    """A worker whose denoise steps each sleep this long (tests/fixtures/pacing.py)."""
+    return Fake("tests.fixtures.paced_worker", {"KILN_TEST_PACE_S": str(seconds)})
 
 
 def pace_here(monkeypatch: Any, seconds: float) -> None:
     """The same pacing fake for an in-process worker, undone when the test ends."""
-    import worker.queue as q
+    from worker.job import RQJobContext
 
-    monkeypatch.setattr(q.RQJobContext, "progress", pacing(seconds))
+    monkeypatch.setattr(RQJobContext, "progress", pacing(seconds))
 
 
 STARTUP_S = 90.0  # torch + diffusers import, model load; generous on a shared 2-core machine
@@ -95,16 +85,16 @@ def free_port() -> int:
 class WorkerProcess:
     """`python -m worker.cli worker` in its own process, output kept in a log file."""
 
-    def __init__(self, env: dict[str, str], log: Path, *args: str, code: str | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str], log: Path, *args: str, fake: Fake | None = None
+    ) -> None:
         self.log = log
         self.name = f"test-worker-{os.getpid()}-{time.monotonic_ns()}"
-        # code: a few lines run before the CLI, to install one fake for one failure mode.
-        launcher = f"{code}\nimport sys\nfrom worker.cli import main\nsys.exit(main())"
-        prefix = [sys.executable, "-c", launcher] if code else [sys.executable, "-m", "worker.cli"]
+        module = fake.module if fake else "worker.cli"
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                [*prefix, "worker", "--name", self.name, *args],
-                env=env,
+                [sys.executable, "-m", module, "worker", "--name", self.name, *args],
+                env={**env, **(fake.env if fake else {})},
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,

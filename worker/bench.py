@@ -112,22 +112,25 @@ def run_in_process(
     on_done: Any,
 ) -> list[tuple[Cell, TimingRecord]]:
     """Render directly (no queue), one Renderer per distinct settings override."""
-    from worker.render import LocalContext, Renderer
+    from worker.context import LocalContext
+    from worker.render import Renderer
 
     renderers: dict[str, Renderer] = {}
+    finished: list[TimingRecord] = []
     done = []
     for cell, request in requests:
         key = json.dumps(cell.settings, sort_keys=True)
         if key not in renderers:
             for other in renderers.values():  # one set of resident pipelines at a time
                 other.cache.evict_others(keep=None)
-            renderers[key] = Renderer(base.model_copy(update=cell.settings), manifests)
+            renderers[key] = Renderer(
+                base.model_copy(update=cell.settings), manifests, on_record=finished.append
+            )
         renderer = renderers[key]
         # A failed point is recorded (status, error) and reported; the run goes on.
         with contextlib.suppress(Exception):
             renderer.render(request, LocalContext(f"bench-{uuid.uuid4().hex[:12]}"))
-        assert renderer.last_record is not None
-        done.append((cell, renderer.last_record))
+        done.append((cell, finished[-1]))
         on_done()
     return done
 

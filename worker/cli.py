@@ -28,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
             url = redacted(_settings().redis_url)
             print(f"kiln {args.verb}: cannot reach Redis at {url}: {exc}", file=sys.stderr)
             return 1
+        pydantic = sys.modules.get("pydantic")
+        if pydantic is not None and isinstance(exc, pydantic.ValidationError):
+            for error in exc.errors():
+                where = "KILN_" + "_".join(str(p) for p in error["loc"]).upper()
+                value = error.get("input")
+                print(f"kiln {args.verb}: {where}={value!r}: {error['msg']}", file=sys.stderr)
+            return 2
         raise
 
 
@@ -44,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--models", help="comma-separated model ids to serve (default: all manifests)"
     )
-    worker.add_argument("--memory-mode", choices=["auto", "full", "model_offload", "group_offload"])
+    worker.add_argument(
+        "--memory-mode", help="auto, or pin a rung: full, model_offload, group_offload"
+    )
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     worker.add_argument("--name", help="worker name (default: RQ's host.pid name)")
     worker.add_argument(
@@ -139,24 +148,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings() -> Any:
+def _settings(**overrides: Any) -> Any:
+    """KILN_* settings, with command-line flags (validated the same way) over them."""
     from worker.settings import Settings
 
-    return Settings()
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from worker.manifest import ManifestsInvalid, load_manifests
+    from worker.errors import ManifestDirectoryInvalid
+    from worker.manifest import load_manifests
 
-    settings = _settings()
-    if args.memory_mode:
-        settings = settings.model_copy(update={"memory_mode": args.memory_mode})
-    if args.metrics_port:
-        settings = settings.model_copy(update={"metrics_port": args.metrics_port})
+    settings = _settings(memory_mode=args.memory_mode, metrics_port=args.metrics_port)
     only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     try:
         manifests = load_manifests(settings.manifests, only)
-    except ManifestsInvalid as exc:
+    except ManifestDirectoryInvalid as exc:
         print(f"kiln worker: refusing to start on invalid manifests:\n{exc}", file=sys.stderr)
         return 1
     from worker.serve import serve
@@ -233,7 +240,7 @@ def _model_json(info: Any) -> dict[str, Any]:
         "workers": info.workers,
         "resident_on": info.resident_on,
         "eta_s": info.default_eta_s,
-        "fits": {f"{w}x{h}": vars(fit) for (w, h), fit in info.fits.items()},
+        "fits": {f"{w}x{h}": fit.model_dump() for (w, h), fit in info.fits.items()},
     }
 
 
@@ -252,12 +259,13 @@ def _manifests_check(args: argparse.Namespace) -> int:
 def _manifests_publish(args: argparse.Namespace) -> int:
     from redis import Redis
 
-    from worker.manifest import ManifestsInvalid, load_manifests, publish_manifests
+    from worker.errors import ManifestDirectoryInvalid
+    from worker.manifest import load_manifests, publish_manifests
 
     settings = _settings()
     try:
         manifests = load_manifests(args.dir or settings.manifests)
-    except ManifestsInvalid as exc:
+    except ManifestDirectoryInvalid as exc:
         print(f"kiln manifests publish: not publishing invalid manifests:\n{exc}", file=sys.stderr)
         return 1
     publish_manifests(Redis.from_url(settings.redis_url), manifests)
@@ -293,11 +301,11 @@ def _profile(args: argparse.Namespace) -> int:
             request[field] = getattr(args, field)
     logs.configure("json", quiet=True)
     from api_client import KilnError
-    from worker.manifest import ManifestsInvalid
+    from worker.errors import ManifestDirectoryInvalid
 
     try:
         return run_profile(_settings(), request, args.trace, warmup=args.warmup)
-    except (KilnError, ManifestsInvalid) as exc:
+    except (KilnError, ManifestDirectoryInvalid) as exc:
         print(f"kiln profile: {exc}", file=sys.stderr)
         return 2
 

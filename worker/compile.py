@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from worker.families import family_of
 from worker.settings import Settings
-
-if TYPE_CHECKING:
-    from worker.pipelines import LoadedPipeline
 
 
 def use_persistent_cache(settings: Settings) -> None:
@@ -35,10 +30,9 @@ def compile_available() -> str | None:
     return None
 
 
-def compile_denoiser(loaded: LoadedPipeline, settings: Settings) -> str:
+def compile_denoiser(denoiser: torch.nn.Module, settings: Settings) -> str:
     """Wrap the denoiser for torch.compile (lazy: graphs are built at the first forward)."""
     use_persistent_cache(settings)
-    denoiser = denoiser_of(loaded)
     blocks = getattr(denoiser, "_repeated_blocks", None)
     if blocks:
         # One graph per block class, reused by every instance: a fraction of a whole-model
@@ -49,16 +43,11 @@ def compile_denoiser(loaded: LoadedPipeline, settings: Settings) -> str:
     return "whole denoiser: torch.compile (no repeated blocks declared)"
 
 
-def uncompile_denoiser(loaded: LoadedPipeline) -> None:
+def uncompile_denoiser(denoiser: torch.nn.Module) -> None:
     """Back to eager: nn.Module.compile() only sets _compiled_call_impl; clearing it undoes it."""
-    for module in denoiser_of(loaded).modules():
+    for module in denoiser.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
-
-
-def denoiser_of(loaded: LoadedPipeline) -> torch.nn.Module:
-    module: torch.nn.Module = getattr(loaded.pipe, family_of(loaded.manifest.family).denoiser)
-    return module
 
 
 def graphs_compiled() -> int:

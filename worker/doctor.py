@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 from redis import Redis
 from redis.exceptions import RedisError
 
-from api_client.schema import SettingsReport
+from api_client.schema import Attempt, Rung, SettingsReport
 from worker import device as dev
 from worker.compile import compile_available
 from worker.device import DeviceInfo
+from worker.errors import OutOfMemory
 from worker.faults import FaultPlan
-from worker.ladder import GB, Rung, is_oom, lower_rung, oom_detail, pick_rung, usable_gb
-from worker.pipelines import PipelineCache, load_pipeline
+from worker.ladder import GB, Ladder, pick_rung, usable_gb
+from worker.loading import load_pipeline
 from worker.quantize import torchao_version, unsupported_reason
+from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import SWITCH_NAMES, Settings
 
 PACKAGES = ("torch", "diffusers", "transformers", "torchao", "accelerate", "rq")
@@ -34,7 +36,7 @@ class ModelCheck:
     dtype: str | None = None
     load_s: float = 0.0
     device_bytes: int = 0
-    attempts: list[str] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
     settings: SettingsReport = field(default_factory=SettingsReport)
     error: str | None = None
 
@@ -116,7 +118,8 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
 def _model_lines(check: ModelCheck) -> list[str]:
     lines = [f"model {check.model}"]
     if check.attempts:
-        lines.append(f"  attempts      {', '.join(check.attempts)}")
+        tried = [f"{a.rung}: out of memory ({a.detail})" for a in check.attempts]
+        lines.append(f"  attempts      {', '.join(tried)}")
     if check.error is not None:
         lines.append(f"  FAILED        {check.error}")
         return lines
@@ -131,43 +134,42 @@ def _model_lines(check: ModelCheck) -> list[str]:
 
 
 def _check_model(settings: Settings, info: DeviceInfo, model: str) -> ModelCheck:
-    """Load the model as a worker would (rung choice, load-time descent) and keep its report."""
-    from worker.manifest import ManifestsInvalid, load_manifests
+    """Load the model as a worker would (rung choice, the ladder's loading rules) and keep
+    its report."""
+    from worker.errors import ManifestDirectoryInvalid
+    from worker.manifest import load_manifests
 
     check = ModelCheck(model=model)
     try:
         manifest = load_manifests(settings.manifests, [model])[model]
-    except (ManifestsInvalid, KeyError, ValueError) as exc:
+    except (ManifestDirectoryInvalid, KeyError, ValueError) as exc:
         check.error = f"no valid manifest: {exc}"
         return check
     reserve, budget = settings.vram_reserve_gb, settings.vram_budget_gb
     usable = usable_gb(dev.free_bytes(info), 0, reserve, budget, 0)
     choice = pick_rung(manifest, usable, settings.memory_mode)
-    rung: Rung | None = choice.rung
     check.rung_reason = choice.reason
     faults = FaultPlan.parse(settings.faults)
+    ladder = Ladder(model, settings.memory_mode, check.attempts)
+
+    def load(rung: Rung) -> LoadedPipeline:
+        return load_pipeline(manifest, rung, info, settings, faults)
+
+    started = time.perf_counter()
+    try:
+        loaded = ladder.load(choice.rung, load, reclaim=lambda: release_memory(info))
+    except OutOfMemory as exc:
+        check.error = str(exc)
+        return check
+    except Exception as exc:
+        check.error = f"{type(exc).__name__}: {exc}"
+        return check
+    check.rung, check.dtype = loaded.rung, loaded.dtype_name
+    check.settings = loaded.settings
+    check.load_s, check.device_bytes = time.perf_counter() - started, loaded.device_bytes
     cache = PipelineCache(info)
-    while rung is not None:
-        failure: str | None = None
-        started = time.perf_counter()
-        try:
-            loaded = load_pipeline(manifest, rung, info, settings, faults)
-        except Exception as exc:
-            if not is_oom(exc):
-                check.error = f"{type(exc).__name__}: {exc}"
-                return check
-            failure = oom_detail(exc)
-        if failure is None:
-            check.rung, check.dtype = loaded.rung, loaded.dtype_name
-            check.settings = loaded.settings
-            check.load_s, check.device_bytes = time.perf_counter() - started, loaded.device_bytes
-            check.attempts.append(f"{rung}: loaded")
-            cache.put(loaded)
-            cache.evict(model)
-            return check
-        check.attempts.append(f"{rung}: out of memory ({failure})")
-        rung = None if settings.memory_mode != "auto" else lower_rung(rung)
-    check.error = f"model {model} did not load on any rung it may use"
+    cache.put(loaded)
+    cache.evict(model)
     return check
 
 

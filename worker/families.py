@@ -17,7 +17,9 @@ Embeds = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Family:
+class FamilySpec:
+    """How kiln renders one family (api_client.manifest.Family names them)."""
+
     pipeline_class: str  # attribute of the diffusers package
     encode: Callable[[Any, str, str, int, bool], Embeds]
     decode: Callable[[Any, torch.Tensor], list[Image.Image]]
@@ -109,11 +111,11 @@ def decode_preview(pipe: Any, taesd: Any, latents: torch.Tensor) -> Image.Image:
     return previews[0]
 
 
-FAMILIES: dict[str, Family] = {
-    "sd15": Family("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
-    "sd2": Family("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
-    "sdxl": Family("StableDiffusionXLPipeline", _encode_pooled, _decode_sdxl),
-    "sd3": Family(
+SPECS: dict[str, FamilySpec] = {
+    "sd15": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
+    "sd2": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
+    "sdxl": FamilySpec("StableDiffusionXLPipeline", _encode_pooled, _decode_sdxl),
+    "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
         _encode_pooled,
         _decode_sd3,
@@ -123,11 +125,10 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(name: str) -> Family:
+def spec_of(name: str) -> FamilySpec:
     try:
-        return FAMILIES[name]
+        return SPECS[name]
     except KeyError:
         raise ValueError(
-            f"family {name!r} has no renderer in this worker;"
-            f" supported: {', '.join(sorted(FAMILIES))}"
+            f"family {name!r} has no renderer in this worker; supported: {', '.join(sorted(SPECS))}"
         ) from None

@@ -1,6 +1,8 @@
-"""KILN_FAULTS: injected out-of-memory errors by phase and rung, for ladder drills and tests.
+"""KILN_FAULTS: injected failures by phase and rung, for ladder drills and tests.
 
-Grammar: comma-separated `oom@PHASE:RUNG[*COUNT]`, e.g. `oom@load:full,oom@denoise:full*2`.
+Grammar: comma-separated `KIND@PHASE:RUNG[*COUNT]`, e.g. `oom@load:full,oom@denoise:full*2`.
+KIND is `oom` (torch.OutOfMemoryError: the ladder frees memory, retries, descends) or `lost`
+(a CUDA "illegal memory access": the device is gone, the worker fails the job and exits).
 RUNG may be `*` for any rung. Each entry fires COUNT times (default 1) over the process's life.
 """
 
@@ -12,17 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from api_client.schema import RUNGS
+from worker.errors import InvalidFaults
 
 FAULT_PHASES = ("load", "text_encode", "denoise", "decode")
-_ENTRY = re.compile(r"^oom@(?P<phase>[a-z_]+):(?P<rung>[a-z_*]+)(?:\*(?P<count>\d+))?$")
-
-
-class InvalidFaults(ValueError):
-    pass
+_ENTRY = re.compile(
+    r"^(?P<kind>oom|lost)@(?P<phase>[a-z_]+):(?P<rung>[a-z_*]+)(?:\*(?P<count>\d+))?$"
+)
 
 
 @dataclass
 class _Fault:
+    kind: str
     phase: str
     rung: str
     remaining: int
@@ -38,7 +40,9 @@ class FaultPlan:
         for raw in filter(None, (part.strip() for part in spec.split(","))):
             match = _ENTRY.match(raw)
             if match is None:
-                raise InvalidFaults(f"KILN_FAULTS entry {raw!r}: expected oom@PHASE:RUNG[*COUNT]")
+                raise InvalidFaults(
+                    f"KILN_FAULTS entry {raw!r}: expected oom|lost@PHASE:RUNG[*COUNT]"
+                )
             phase, rung = match["phase"], match["rung"]
             if phase not in FAULT_PHASES:
                 raise InvalidFaults(
@@ -48,14 +52,19 @@ class FaultPlan:
                 raise InvalidFaults(
                     f"KILN_FAULTS entry {raw!r}: rung must be * or one of {', '.join(RUNGS)}"
                 )
-            faults.append(_Fault(phase, rung, int(match["count"] or 1)))
+            faults.append(_Fault(match["kind"], phase, rung, int(match["count"] or 1)))
         return cls(faults)
 
     def check(self, phase: str, rung: str) -> None:
-        """Raise torch.OutOfMemoryError if a drill is armed for this phase at this rung."""
+        """Raise the drilled failure if one is armed for this phase at this rung."""
         for fault in self._faults:
             if fault.remaining > 0 and fault.phase == phase and fault.rung in (rung, "*"):
                 fault.remaining -= 1
+                if fault.kind == "lost":
+                    raise RuntimeError(
+                        "CUDA error: an illegal memory access was encountered"
+                        f" (KILN_FAULTS drill: device lost in {phase} at rung {rung})"
+                    )
                 raise torch.OutOfMemoryError(
                     f"KILN_FAULTS drill: injected out of memory in {phase} at rung {rung}"
                 )

@@ -10,28 +10,21 @@ from redis import Redis
 from api_client import keys
 from api_client.errors import Problem
 from api_client.manifest import Manifest, ManifestInvalid, load_manifest_dir
-
-
-class ManifestsInvalid(Exception):
-    """One or more manifests are broken; the worker will not start on them."""
-
-    def __init__(self, failures: list[ManifestInvalid]) -> None:
-        self.failures = failures
-        super().__init__("\n".join(str(f) for f in failures))
+from worker.errors import ManifestDirectoryInvalid
 
 
 def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, Manifest]:
-    """All manifests in directory, or ManifestsInvalid listing every problem in every file."""
+    """All manifests in directory, or ManifestDirectoryInvalid naming each problem in each file."""
     manifests, failures = load_manifest_dir(directory)
     if failures:
-        raise ManifestsInvalid(failures)
+        raise ManifestDirectoryInvalid(failures)
     if only:
         unknown = sorted(set(only) - set(manifests))
         if unknown:
             problems = [
                 Problem("model", model_id, "no manifest with this id") for model_id in unknown
             ]
-            raise ManifestsInvalid([ManifestInvalid(directory, problems)])
+            raise ManifestDirectoryInvalid([ManifestInvalid(directory, problems)])
         manifests = {model_id: manifests[model_id] for model_id in only}
     return manifests
 

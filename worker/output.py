@@ -11,14 +11,11 @@ from pathlib import Path
 from PIL import Image
 
 from api_client.schema import ImageFile, OutputFormat, RenderResult
+from worker.errors import OutputError
 
 RESULT_FILE = "result.json"
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 _EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
-
-
-class OutputError(RuntimeError):
-    """The output directory cannot take the job's files (missing permission, full disk...)."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 
+from worker.context import LocalContext
 from worker.manifest import load_manifests
-from worker.render import LocalContext, Renderer
+from worker.render import Renderer
 from worker.settings import Settings
+from worker.timings import TimingRecord
 
 
 def run_profile(
@@ -23,7 +25,9 @@ def run_profile(
     from worker.display import phase_table, wide_console
 
     console = wide_console()
-    renderer = Renderer(settings, load_manifests(settings.manifests, [request["model"]]))
+    finished: list[TimingRecord] = []
+    manifests = load_manifests(settings.manifests, [request["model"]])
+    renderer = Renderer(settings, manifests, on_record=finished.append)
     renderer.validate(request)  # a bad request is refused before anything loads
     # 1. Warm-up outside the profiler: load, compile and cache fill are not steady state.
     for _ in range(warmup):
@@ -42,10 +46,7 @@ def run_profile(
     phases = [e for e in prof.key_averages() if e.key.startswith("kiln.")]
     for event in sorted(phases, key=lambda e: -e.cpu_time_total):
         console.print(f"{event.key:<20} {event.cpu_time_total / 1e6:8.3f} s host")
-    if renderer.last_record is not None:
-        console.print(
-            phase_table([renderer.last_record], title="profiled run (perturbed by the profiler)")
-        )
+    console.print(phase_table(finished[-1:], title="profiled run (perturbed by the profiler)"))
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))

@@ -1,10 +1,34 @@
-"""The RQ side: a worker that never forks, a Job class that only ever runs kiln's render function,
-a side thread that keeps heartbeats fresh and recovers abandoned jobs, and the state a worker
-publishes to Redis (manifests, resident models, timing fits)."""
+"""The RQ side of kiln: a worker that never forks and keeps its pipelines resident.
+
+The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does:
+
+1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop, round robin over the model
+   queues. *dequeue_job_and_maintain_ttl moves a job id from its queue into RQ's intermediate
+   list; *reorder_queues runs right after the pop: from here the job must run, whatever signal
+   arrives, or it would sit in no queue and no registry.
+2. *execute_job caps the job's timeout at KILN_JOB_TIMEOUT_S and gives the job its entry point
+   into kiln (RenderJob.run = KilnWorker.render_job).
+3. *prepare_execution: RQ registers the execution (StartedJobRegistry); the Pulse thread now
+   keeps this job's heartbeat fresh (*get_heartbeat_ttl: 10 s, beat every 2 s).
+4. RQ's perform_job runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
+   RenderJob._execute -> render_job -> Renderer.render (worker/render.py: admit, validate,
+   answer from disk, rung, load, generate, save). The render emits the job's one timing record
+   and hands it to RecordPublisher (metrics, the model's timing fit in Redis).
+5. *handle_execution_ended: stop heartbeating before RQ tears the execution down.
+6. Success: RQ stores the result dict. Failure: *handle_exception keeps the exception for
+   *handle_job_failure: a ShutdownStop goes back to the front of its queue; a JobStopped ends
+   as stopped; anything else fails (RenderJob.should_retry is False: only jobs abandoned by a
+   dead worker are retried); a FatalWorkerError also ends this worker (exit 1).
+7. execute_job's finally publishes the worker's state (resident models) to Redis, and RQ's
+   loop calls *heartbeat, which is where a requested shutdown stops the loop.
+
+Beside it, every 2 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
+(*recover_abandoned). Signals: the first SIGTERM/SIGINT finishes the job and exits
+(*request_stop); a second stops it at its next step and re-queues it (*request_force_stop).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,7 +44,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as RedisRetry
-from rq import Queue, SimpleWorker, get_current_job
+from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.registry import StartedJobRegistry
@@ -29,51 +53,24 @@ from rq.timeouts import UnixSignalDeathPenalty
 from rq.worker import DequeueStrategy
 
 from api_client import keys
-from api_client.schema import RENDER_FUNC
+from api_client.schema import WorkerState
 from worker import metrics
+from worker.errors import FatalWorkerError, JobDeadlineExceeded, JobStopped, ShutdownStop
+from worker.job import RenderJob, RQJobContext, record_error
 from worker.manifest import publish_manifests
-from worker.render import JobStopped, Renderer, requested_model
-from worker.timings import FitTracker, TimingRecord, emit
+from worker.pulse import REDIS_ERRORS, Pulse
+from worker.render import Renderer
+from worker.timings import FitTracker, TimingRecord
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-
-_renderer: Renderer | None = None
-# Set by a second SIGTERM/SIGINT: the running job stops at its next step and goes back to its queue.
-_shutdown_now = threading.Event()
-
-
-class JobTimedOut(BaseException):
-    """KILN_JOB_TIMEOUT_S passed. A BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way (a compile fallback, a preview, a quantization check) can
-    swallow it and leave the job running unbounded, as RQ's Exception-based timeout would."""
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
-    """RQ's SIGALRM job timeout, raising JobTimedOut."""
+    """RQ's SIGALRM job timeout, raising JobDeadlineExceeded (a BaseException)."""
 
     def handle_death_penalty(self, signum: int, frame: FrameType | None) -> None:
-        raise JobTimedOut(f"ran past its timeout of {self._timeout} s")
-
-
-class RefusedJob(Exception):
-    """The job asks RQ to run something other than kiln's render function; nothing was run."""
-
-
-class ShutdownStop(JobStopped):
-    """A second shutdown signal stopped the job at a step boundary; it is re-queued, not failed."""
-
-
-def install_renderer(renderer: Renderer | None) -> None:
-    global _renderer
-    _renderer = renderer
-
-
-def current_renderer() -> Renderer:
-    if _renderer is None:
-        raise RuntimeError("no renderer installed: render_job runs only inside `kiln worker`")
-    return _renderer
+        raise JobDeadlineExceeded(f"ran past its timeout of {self._timeout} s")
 
 
 def worker_connection(url: str) -> Redis:
@@ -91,159 +88,24 @@ def worker_connection(url: str) -> Redis:
     )
 
 
-class RQJobContext:
-    """Progress into job.meta (written by the worker only) and stop requests from the client."""
+class RecordPublisher:
+    """The renderer's record listener in a worker: Prometheus counters and the model's timing
+    fit (fixed + per-step seconds) in Redis, where clients read ETAs."""
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.job_id: str = job.id
-        enqueued = job.enqueued_at
-        started = job.started_at or datetime.now(timezone.utc)
-        self.queue_wait_s = (
-            max((_aware(started) - _aware(enqueued)).total_seconds(), 0.0) if enqueued else 0.0
-        )
-        self._stop_key = keys.stop_key(job.id)
-        self._preview: str | None = None
+    def __init__(self, connection: Redis) -> None:
+        self.connection = connection
+        self.fits = FitTracker()
 
-    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
-        # The latest preview stays in every later update until a newer one replaces it.
-        self._preview = preview or self._preview
-        self.job.meta["progress"] = {
-            "phase": phase,
-            "step": step,
-            "steps": steps,
-            "preview": self._preview,
-        }
-        self.job.save_meta()
-
-    def stop_requested(self) -> bool:
-        if _shutdown_now.is_set():
-            raise ShutdownStop(f"job {self.job_id} stopped by worker shutdown; re-queued")
-        return bool(self.job.connection.exists(self._stop_key))
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
-def render_job(request: dict[str, Any]) -> dict[str, Any]:
-    """The one function a kiln job may name. Runs in the worker process with a resident renderer."""
-    job = get_current_job()
-    if job is None:
-        raise RuntimeError("render_job must run inside an RQ job")
-    ctx = RQJobContext(job)
-    try:
-        # A job cancelled while it sat in a queue (or while its worker died) never loads a model.
-        if ctx.stop_requested():
-            raise JobStopped(f"job {job.id} stopped on request before it started")
-        result = current_renderer().render(request, ctx)
-    except ShutdownStop:
-        raise
-    except JobTimedOut:
-        _record_error(job, "JobTimeout", f"job {job.id} ran past its timeout of {job.timeout} s")
-        raise
-    except Exception as exc:
-        _record_error(job, type(exc).__name__, str(exc))
-        raise
-    return result.model_dump(mode="json")
-
-
-def _record_error(job: Job, kind: str, message: str) -> None:
-    job.meta["error"] = {"type": kind, "message": message}
-    job.save_meta()
-
-
-class RenderJob(Job):
-    """A Job that resolves its function by whitelist, never by import, and runs no callbacks.
-
-    RQ's own Job imports whatever dotted name the payload carries: a pure-JSON job naming
-    os.system would run it. Here any name but kiln's render function is refused unrun.
-    """
-
-    @property
-    def func(self) -> Any:
-        self.verify()
-        return render_job
-
-    def verify(self) -> None:
-        problems = []
-        if self.func_name != RENDER_FUNC:
-            problems.append(f"function {self.func_name!r} is not {RENDER_FUNC}")
-        if self.instance is not None:
-            problems.append("jobs must not carry an instance")
-        for kind in ("success", "failure", "stopped"):
-            if getattr(self, f"_{kind}_callback_name", None):
-                problems.append(
-                    f"{kind} callback {getattr(self, f'_{kind}_callback_name')!r} is not allowed"
-                )
-        if self.webhooks:
-            problems.append("webhooks are not allowed")
-        if list(self.args) or not isinstance(self.kwargs, dict) or set(self.kwargs) != {"request"}:
-            problems.append("arguments must be exactly one keyword, request")
-        if problems:
-            message = f"refused job {self.id}: " + "; ".join(problems)
-            _record_error(self, "RefusedJob", message)
-            raise RefusedJob(message)
-
-    @property
-    def success_callback(self) -> None:
-        return None
-
-    @property
-    def failure_callback(self) -> None:
-        return None
-
-    @property
-    def stopped_callback(self) -> None:
-        return None
-
-    @property
-    def should_retry(self) -> bool:
-        # Retries are for abandoned jobs (a dead worker); a render that failed would fail again.
-        return False
-
-    def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
-        return None
-
-
-class Pulse(threading.Thread):
-    """Beside the render: keep the running job's heartbeat fresh, publish the worker's state, and
-    hand abandoned jobs (their worker's heartbeat lapsed) back to their queue.
-
-    SimpleWorker only heartbeats between jobs; a render that outlives the heartbeat TTL would look
-    abandoned, and a TTL long enough to cover any render would leave a killed worker's job stuck
-    for that long. Every Redis call here goes through the worker's pool, which is thread-safe.
-    """
-
-    def __init__(self, worker: KilnWorker) -> None:
-        super().__init__(name=f"kiln-pulse-{worker.name}", daemon=True)
-        self.worker = worker
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.worker.heartbeat_interval_s):
-            self.beat()
-
-    def beat(self) -> None:
+    def __call__(self, record: TimingRecord) -> None:
+        metrics.observe(record)
+        key = self.fits.add(record)
+        if key is None:
+            return
         try:
-            fresh = self.worker.maintain_running_job()
-            self.worker.publish_state()
-            # Only sweep after our own heartbeat landed: after a Redis outage our own job's entry
-            # may have lapsed, and it must not be mistaken for an abandoned one.
-            if fresh:
-                self.worker.recover_abandoned()
+            fit = self.fits.fit(key)
+            self.connection.hset(keys.FITS_KEY, keys.fit_field(*key), fit.model_dump_json())
         except REDIS_ERRORS as exc:
-            log.warning(
-                "pulse: Redis unavailable (%s); retrying in %.0f s",
-                exc,
-                self.worker.heartbeat_interval_s,
-            )
-        except Exception:
-            log.exception("pulse: unexpected error; carrying on")
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=10)
+            log.warning("could not publish the timing fit of %s: %s", key[0], exc)
 
 
 class KilnWorker(SimpleWorker):
@@ -268,20 +130,22 @@ class KilnWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
         self.renderer = renderer
         self.job_timeout_s = job_timeout_s
-        self.fits = FitTracker()
         self.served = [q.name.removeprefix(keys.QUEUE_PREFIX) for q in self.queues]
         self._running: Job | None = None
         self._running_lock = threading.Lock()
         self._last_exception: BaseException | None = None
         self._pulse: Pulse | None = None
         self._holding_job = False
+        # Set by a second SIGTERM/SIGINT: the running job stops at its next step and is re-queued.
+        self.shutdown_now = threading.Event()
+        self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
 
     # -- the work loop --------------------------------------------------------------------------
 
     def work(self, burst: bool = False, **kwargs: Any) -> bool:  # type: ignore[override]
         # Round robin across model queues: a busy model must not starve the others.
         kwargs.setdefault("dequeue_strategy", DequeueStrategy.ROUND_ROBIN)
-        _shutdown_now.clear()
+        self.shutdown_now.clear()
         self._pulse = Pulse(self)
         self._pulse.start()
         try:
@@ -312,13 +176,30 @@ class KilnWorker(SimpleWorker):
             job.timeout is None or not 0 < job.timeout <= self.job_timeout_s
         ):
             job.timeout = self.job_timeout_s
-        self.renderer.last_record = None
+        if isinstance(job, RenderJob):
+            job.run = self.render_job
         try:
             super().execute_job(job, queue)
         finally:
             with self._running_lock:
                 self._running = None
-            self._publish_after_job()
+            self._publish_state_after_job()
+
+    def render_job(self, job: RenderJob) -> dict[str, Any]:
+        """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
+        ctx = RQJobContext(job, self.shutdown_now)
+        try:
+            result = self.renderer.render(ctx.payload, ctx)
+        except ShutdownStop:
+            raise
+        except JobDeadlineExceeded:
+            message = f"job {job.id} ran past its timeout of {job.timeout} s"
+            record_error(job, "JobDeadlineExceeded", message)
+            raise
+        except Exception as exc:
+            record_error(job, type(exc).__name__, str(exc))
+            raise
+        return result.model_dump(mode="json")
 
     def prepare_execution(self, job: Job) -> Any:
         execution = super().prepare_execution(job)
@@ -343,32 +224,17 @@ class KilnWorker(SimpleWorker):
         self, job: Job, queue: Queue, started_job_registry: Any = None, exc_string: str = ""
     ) -> None:
         exc, self._last_exception = self._last_exception, None
-        if self.renderer.last_record is None:
-            self._record_unrendered(job, exc)
         if isinstance(exc, ShutdownStop):
             self._requeue(job, queue)
             return
         if isinstance(exc, JobStopped):
             # RQ marks the job it was told to stop as STOPPED and never retries it.
             self._stopped_job_id = job.id
+        if isinstance(exc, FatalWorkerError):
+            log.error("worker %s cannot go on and will exit: %s", self.name, exc)
+            self.fatal = exc
+            self._stop_requested = True
         super().handle_job_failure(job, queue, started_job_registry, exc_string)
-
-    def _record_unrendered(self, job: Job, exc: BaseException | None) -> None:
-        """Every job leaves one timing record, also one refused or stopped before rendering."""
-        try:
-            request = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
-        except Exception:
-            request = None
-        record = TimingRecord(
-            job_id=job.id,
-            model=requested_model(request),
-            status="stopped" if isinstance(exc, JobStopped) else "failed",
-            error=f"{type(exc).__name__}: {exc}" if exc is not None else "failed before rendering",
-            worker=self.name,
-            device=self.renderer.info.torch_device,
-        )
-        self.renderer.last_record = record
-        emit(record, self.renderer.settings.timings_log)
 
     def _requeue(self, job: Job, queue: Queue) -> None:
         """Back to the front of its queue, as if never started: it was stopped, not broken."""
@@ -418,33 +284,25 @@ class KilnWorker(SimpleWorker):
     def publish_state(self, conn: Any = None) -> None:
         conn = conn if conn is not None else self.connection
         now = time.time()
-        state = {
-            "name": self.name,
-            "models": self.served,
-            "resident": list(self.renderer.cache.model_ids()),
-            "device": self.renderer.info.torch_device,
-            "device_name": self.renderer.info.name,
-            "state": self.get_state(),
-            "heartbeat": now,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        conn.set(keys.worker_key(self.name), json.dumps(state), ex=WORKER_STATE_TTL_S)
+        state = WorkerState(
+            name=self.name,
+            models=self.served,
+            resident=self.renderer.cache.model_ids(),
+            device=self.renderer.info.torch_device,
+            device_name=self.renderer.info.name,
+            state=str(self.get_state()),
+            heartbeat=now,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+        conn.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         conn.zadd(keys.WORKERS_KEY, {self.name: now})
         # Workers killed without a goodbye leave their name behind; drop the long-silent ones.
         conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
 
-    def _publish_after_job(self) -> None:
-        record = self.renderer.last_record
-        if record is not None:
-            metrics.observe(record)
-        key = self.fits.add(record) if record is not None else None
+    def _publish_state_after_job(self) -> None:
         try:
-            with self.connection.pipeline() as pipe:
-                if key is not None:
-                    pipe.hset(keys.FITS_KEY, keys.fit_field(*key), json.dumps(self.fits.fit(key)))
-                self.publish_state(pipe)
-                pipe.execute()
+            self.publish_state()
         except REDIS_ERRORS as exc:
             log.warning("could not publish state after job: %s", exc)
 
@@ -465,7 +323,7 @@ class KilnWorker(SimpleWorker):
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: stop the running job at its next step and put it back on its queue."""
         log.warning("shutdown now requested (signal %s): stopping the job at its next step", signum)
-        _shutdown_now.set()
+        self.shutdown_now.set()
         self._stop_requested = True
 
     def teardown(self) -> None:
@@ -477,10 +335,8 @@ class KilnWorker(SimpleWorker):
             log.warning("could not withdraw worker state: %s", exc)
 
 
-def make_worker(
-    connection: Redis, renderer: Renderer, models: list[str], name: str | None = None
-) -> KilnWorker:
-    """A worker listening on the queues of the models it serves, with the renderer installed."""
+def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
+    """A worker named as its renderer, listening on the queues of the models it serves."""
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
     # The queues carry RenderJob too: RQ's registry cleanups fetch jobs through queue.job_class,
     # and a plain Job there would import and run a payload's failure callback.
@@ -493,13 +349,10 @@ def make_worker(
         )
         for m in models
     ]
-    install_renderer(renderer)
-    worker = KilnWorker(
+    return KilnWorker(
         queues,
         connection=connection,
         renderer=renderer,
-        name=name,
+        name=renderer.worker_name,
         job_timeout_s=renderer.settings.job_timeout_s,
     )
-    renderer.worker_name = worker.name
-    return worker

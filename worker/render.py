@@ -1,87 +1,45 @@
-"""Run one request: validate, pick a rung, load or reuse the pipeline, encode/denoise/decode with
-a stopwatch, walk down the memory ladder on out-of-memory, save, and leave one timing record."""
+"""Run one job from payload to result, in numbered steps: admit, validate, answer from disk,
+choose a rung, load, generate under the ladder's out-of-memory rules, save. Every path out of
+render() leaves exactly one timing record, created here and handed to the record listener."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from PIL import Image
 
 from api_client.manifest import Manifest, check_servable, resolve_request
-from api_client.schema import Attempt, RenderRequest, RenderResult
+from api_client.schema import Attempt, RenderRequest, RenderResult, Rung
 from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
+from worker.context import JobContext
 from worker.device import DeviceInfo
-from worker.families import decode_preview, family_of
+from worker.errors import FatalWorkerError, JobStopped, device_lost
 from worker.faults import FaultPlan
+from worker.generate import generate
 from worker.ladder import (
     GB,
-    Rung,
+    Ladder,
     RungChoice,
     RungMemory,
     is_oom,
-    lower_rung,
-    oom_detail,
     pick_rung,
     rung_need_gb,
     usable_gb,
 )
-from worker.pipelines import (
-    LoadedPipeline,
-    PipelineCache,
-    compile_fell_back,
-    load_pipeline,
-    preview_steps,
-    release_memory,
-)
+from worker.loading import load_pipeline
+from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
+from worker.switches import compile_fell_back
 from worker.timings import Stopwatch, TimingRecord, emit
 
 log = logging.getLogger(__name__)
-
-
-class JobContext(Protocol):
-    """What a render needs from whoever runs it (the RQ worker, a benchmark, a test)."""
-
-    job_id: str
-    queue_wait_s: float
-
-    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None: ...
-
-    def stop_requested(self) -> bool: ...
-
-
-@dataclass
-class LocalContext:
-    """A context with no queue behind it: no progress reporting, never stopped."""
-
-    job_id: str
-    queue_wait_s: float = 0.0
-
-    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
-        return None
-
-    def stop_requested(self) -> bool:
-        return False
-
-
-def requested_model(payload: Any) -> str | None:
-    """The model a raw payload names, if it names one; for records of jobs that fail early."""
-    model = payload.get("model") if isinstance(payload, dict) else None
-    return model if isinstance(model, str) else None
-
-
-class JobStopped(Exception):
-    """A cancel was honoured at a step boundary; the job ends as stopped and is not retried."""
-
-
-class OutOfMemory(RuntimeError):
-    """The ladder ran out of rungs or retries; the message names model and rung."""
+RecordListener = Callable[[TimingRecord], None]
 
 
 class Renderer:
@@ -92,16 +50,18 @@ class Renderer:
         settings: Settings,
         manifests: dict[str, Manifest],
         info: DeviceInfo | None = None,
+        *,
         worker_name: str = "local",
+        on_record: RecordListener | None = None,
     ) -> None:
         self.settings = settings
         self.manifests = manifests
         self.info = info or dev.probe(settings)
         self.worker_name = worker_name
+        self.on_record = on_record  # gets every job's record once it is final
         self.cache = PipelineCache(self.info)
         self.rungs = RungMemory()
         self.faults = FaultPlan.parse(settings.faults)
-        self.last_record: TimingRecord | None = None
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
 
     def render(self, payload: Any, ctx: JobContext) -> RenderResult:
@@ -112,22 +72,36 @@ class Renderer:
             job_id=ctx.job_id,
             worker=self.worker_name,
             device=self.info.torch_device,
-            model=requested_model(payload),  # so a refused request still counts against its model
+            model=_requested_model(payload),  # so a refused job still counts against its model
         )
         try:
+            # 0. A job refused by its runner, or cancelled while it waited, never loads a model.
+            ctx.admit()
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
-            record.model = request.model
+            record.model, record.num_images = request.model, request.num_images
             record.steps, record.width, record.height = request.steps, request.width, request.height
-            record.num_images = request.num_images
             # 2. A job whose files were completed before a crash is answered from disk.
             done = output.finished_result(self.settings.output_dir, ctx.job_id)
             if done is not None:
                 record.status, record.cold, record.rung = "done", False, done.rung
                 return done
-            # 3. Generate on the ladder: rung choice, load, encode/denoise/decode, OOM descent.
-            images, loaded = self._render_on_ladder(request, ctx, watch, record)
-            # 4. Encode and save; result.json last, as the mark of a complete job.
+            # 3. Choose a rung and have the pipeline resident there.
+            manifest = self.manifests[request.model]
+            ladder = Ladder(manifest.id, self.settings.memory_mode, record.attempts)
+            choice = self._choose_rung(manifest, request)
+            record.rung_reason = choice.reason
+            loaded = self._ensure_loaded(manifest, choice.rung, ladder, watch, record)
+            # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
+            images, loaded = ladder.generate(
+                loaded,
+                run=lambda on: self._attempt(on, request, ctx, watch, record),
+                reclaim=lambda: self._reclaim(watch, keep=manifest.id),
+                reload=lambda rung: self._reload(manifest, rung, ladder, watch, record),
+                phase=lambda: watch.current,
+            )
+            self.rungs.remember(manifest.id, request.width or 0, request.height or 0, loaded.rung)
+            # 5. Encode and save; result.json last, as the mark of a complete job.
             with watch.phase("image_encode"):
                 encoded = [output.encode_image(image, request.output_format) for image in images]
             with watch.phase("save"):
@@ -140,73 +114,33 @@ class Renderer:
             record.status, record.error = "stopped", str(exc)
             raise
         except BaseException as exc:  # errors, and a job timeout (a BaseException by design)
-            record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+            fatal = _fatal(exc, ctx.job_id)
+            failure = fatal or exc
+            record.status, record.error = "failed", f"{type(failure).__name__}: {failure}"
+            if fatal is not None:
+                raise fatal from exc
             raise
         finally:
             record.timings = watch.timings(ctx.queue_wait_s)
-            self.last_record = record
             emit(record, self.settings.timings_log)
+            if self.on_record is not None:
+                self.on_record(record)
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
         return resolve_request(request, check_servable(request, self.manifests))
 
-    # -- the ladder -----------------------------------------------------------------------------
+    def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
+        """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
+        return usable_gb(
+            free_bytes=dev.free_bytes(self.info),
+            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
+            reserve_gb=self.settings.vram_reserve_gb,
+            budget_gb=self.settings.vram_budget_gb,
+            in_use_bytes=self.cache.resident_bytes(),
+        )
 
-    def _render_on_ladder(
-        self, request: RenderRequest, ctx: JobContext, watch: Stopwatch, record: TimingRecord
-    ) -> tuple[list[Image.Image], LoadedPipeline]:
-        manifest = self.manifests[request.model]
-        choice = self._choose_rung(manifest, request)
-        record.rung_reason = choice.reason
-        loaded = self._ensure_loaded(manifest, choice.rung, watch, record)
-        retried = descended = False
-        while True:
-            record.rung, record.dtype = loaded.rung, loaded.dtype_name
-            record.compiled = loaded.compiled
-            record.settings, record.quantized = loaded.settings, loaded.quantized
-            ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
-            failure: str | None = None
-            try:
-                images = self._generate(loaded, request, ctx, watch, record)
-            except Exception as exc:
-                if compile_fell_back(loaded, exc):
-                    note = "torch.compile failed at the first forward; retrying eager"
-                    record.attempts.append(
-                        Attempt(rung=loaded.rung, outcome="error", phase=watch.current, detail=note)
-                    )
-                    continue
-                if not is_oom(exc):
-                    raise
-                failure = oom_detail(exc)
-            if failure is None:
-                if loaded.compiled and ran_before:
-                    loaded.recompiles += graphs_compiled() - graphs_before
-                record.recompiles = loaded.recompiles
-                record.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
-                size = (request.width or 0, request.height or 0)
-                self.rungs.remember(manifest.id, *size, loaded.rung)
-                return images, loaded
-            record.attempts.append(
-                Attempt(rung=loaded.rung, outcome="oom", phase=watch.current, detail=failure)
-            )
-            # Outside the except block: the exception and its frames are gone, so memory frees.
-            with watch.phase("load"):
-                self._reclaim(keep=manifest.id)
-            if not retried:
-                retried = True
-                continue
-            lower = lower_rung(loaded.rung)
-            if self.pinned or descended or lower is None:
-                raise OutOfMemory(self._oom_message(manifest, loaded.rung, "generating", record))
-            descended = True
-            with watch.phase("load"):
-                self.cache.evict(manifest.id)
-            loaded = self._ensure_loaded(manifest, lower, watch, record)
-
-    @property
-    def pinned(self) -> bool:
-        return self.settings.memory_mode != "auto"
+    # -- steps 3 and 4 ------------------------------------------------------------------------
 
     def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
         mode = self.settings.memory_mode
@@ -219,54 +153,71 @@ class Renderer:
                 return RungChoice(resident.rung, "already resident")
         return pick_rung(manifest, self.usable_gb(exclude=manifest.id), mode)
 
-    def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
-        """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
-        return usable_gb(
-            free_bytes=dev.free_bytes(self.info),
-            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
-            reserve_gb=self.settings.vram_reserve_gb,
-            budget_gb=self.settings.vram_budget_gb,
-            in_use_bytes=self.cache.resident_bytes(),
-        )
-
     def _ensure_loaded(
-        self, manifest: Manifest, rung: Rung, watch: Stopwatch, record: TimingRecord
+        self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
     ) -> LoadedPipeline:
-        """The resident pipeline at this rung, else load it; OOM while loading descends (auto)."""
+        """The resident pipeline at this rung, else a load under the ladder's loading rules."""
         resident = self.cache.get(manifest.id)
         if resident is not None and resident.rung == rung:
             return resident
         record.cold = True
-        retried = False
+
+        def load(at: Rung) -> LoadedPipeline:
+            self._make_room(manifest, at)
+            return load_pipeline(manifest, at, self.info, self.settings, self.faults)
+
+        with watch.phase("load"):
+            if resident is not None:
+                self.cache.evict(manifest.id)
+            loaded = ladder.load(rung, load, reclaim=lambda: self._free(keep=None))
+        self.cache.put(loaded)
+        return loaded
+
+    def _reload(
+        self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
+    ) -> LoadedPipeline:
+        """After a second OOM while generating: the model again, one rung lower."""
+        with watch.phase("load"):
+            self.cache.evict(manifest.id)
+        return self._ensure_loaded(manifest, rung, ladder, watch, record)
+
+    def _attempt(
+        self,
+        loaded: LoadedPipeline,
+        request: RenderRequest,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+    ) -> tuple[list[Image.Image], LoadedPipeline]:
+        """One try on this pipeline; a compiled forward that fails once falls back to eager."""
         while True:
-            failure: str | None = None
-            with watch.phase("load"):
-                if resident is not None:
-                    self.cache.evict(manifest.id)
-                    resident = None
-                self._make_room(manifest, rung)
-                try:
-                    loaded = load_pipeline(manifest, rung, self.info, self.settings, self.faults)
-                except Exception as exc:
-                    if not is_oom(exc):
-                        raise
-                    failure = oom_detail(exc)
-            if failure is None:
-                self.cache.put(loaded)
-                return loaded
-            record.attempts.append(Attempt(rung=rung, outcome="oom", phase="load", detail=failure))
-            # The half-built pipeline died with the exception; collect it and free every other.
-            with watch.phase("load"):
-                self._reclaim(keep=None)
-            if self.pinned:
-                if retried:
-                    raise OutOfMemory(self._oom_message(manifest, rung, "loading", record))
-                retried = True
+            record.rung, record.dtype = loaded.rung, loaded.dtype_name
+            record.compiled, record.settings = loaded.compiled, loaded.settings
+            record.quantized = loaded.quantized
+            ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
+            try:
+                images = generate(
+                    loaded,
+                    request,
+                    ctx,
+                    watch,
+                    record,
+                    info=self.info,
+                    faults=self.faults,
+                    output_dir=self.settings.output_dir,
+                )
+            except Exception as exc:
+                if not compile_fell_back(loaded, exc):
+                    raise
+                note = "torch.compile failed at the first forward; retrying eager"
+                record.attempts.append(
+                    Attempt(rung=loaded.rung, outcome="error", phase=watch.current, detail=note)
+                )
                 continue
-            lower = lower_rung(rung)
-            if lower is None:
-                raise OutOfMemory(self._oom_message(manifest, rung, "loading", record))
-            rung = lower
+            if loaded.compiled and ran_before:
+                loaded.recompiles += graphs_compiled() - graphs_before
+            record.recompiles = loaded.recompiles
+            return images, loaded
 
     def _make_room(self, manifest: Manifest, rung: Rung) -> None:
         """Evict least recently used pipelines until this rung's estimate fits."""
@@ -276,102 +227,14 @@ class Renderer:
         if evicted:
             log.info("evicted %s to make room for %s at %s", evicted, manifest.id, rung)
 
-    def _reclaim(self, keep: str | None) -> None:
-        """After an OOM: collect garbage, empty the allocator cache, evict every other pipeline."""
+    def _free(self, keep: str | None) -> None:
+        """After an OOM: evict every other pipeline, collect garbage, empty the allocator cache."""
         self.cache.evict_others(keep=keep)
         release_memory(self.info)
 
-    def _oom_message(self, manifest: Manifest, rung: Rung, when: str, record: TimingRecord) -> str:
-        if self.pinned:
-            how = f"pinned by KILN_MEMORY_MODE={self.settings.memory_mode}"
-        else:
-            how = "no lower rung left" if lower_rung(rung) is None else "descended once already"
-        tried = ", ".join(f"{a.rung}:{a.outcome}@{a.phase or '-'}" for a in record.attempts)
-        return (
-            f"model {manifest.id} ran out of memory while {when} at rung {rung} ({how}); "
-            f"no retries left; attempts: {tried}"
-        )
-
-    # -- one attempt ------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def _generate(
-        self,
-        loaded: LoadedPipeline,
-        request: RenderRequest,
-        ctx: JobContext,
-        watch: Stopwatch,
-        record: TimingRecord,
-    ) -> list[Image.Image]:
-        pipe, rung = loaded.pipe, loaded.rung
-        family = family_of(loaded.manifest.family)
-        steps, guidance = int(request.steps or 1), float(request.guidance or 0.0)
-        count, seed = request.num_images, int(request.seed or 0)
-        shape = (request.width or 0, request.height or 0, count)
-        record.cold = record.cold or shape not in loaded.warm_shapes
-        # Generators live on the CPU so a seed gives the same image on every device.
-        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)]
-        dev.reset_peak(self.info)
-
-        # 1. Text encode
-        with watch.phase("text_encode"):
-            ctx.progress("text_encode", 0, steps)
-            self.faults.check("text_encode", rung)
-            embeds = family.encode(
-                pipe, request.prompt, request.negative_prompt, count, guidance > 1.0
-            )
-
-        # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at
-        #    each quarter when previews are on) and honours a stop request.
-        previews = preview_steps(steps) if loaded.preview_vae is not None else set()
-
-        def on_step(
-            _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]
-        ) -> dict[str, Any]:
-            preview = None
-            if step + 1 in previews:
-                preview = self._preview(loaded, tensors["latents"], ctx, record)
-            ctx.progress("denoise", step + 1, steps, preview)
-            if ctx.stop_requested():
-                raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
-            return tensors
-
-        with watch.phase("denoise"):
-            ctx.progress("denoise", 0, steps)
-            self.faults.check("denoise", rung)
-            latents = pipe(
-                **embeds,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                width=request.width,
-                height=request.height,
-                generator=generators,
-                output_type="latent",
-                callback_on_step_end=on_step,
-            ).images
-
-        # 3. Decode latents to pixels
-        with watch.phase("decode"):
-            ctx.progress("decode", steps, steps)
-            self.faults.check("decode", rung)
-            images = family.decode(pipe, latents)
-        loaded.warm_shapes.add(shape)
-        record.peak_memory_bytes = dev.peak_bytes(self.info)
-        record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
-        return images
-
-    def _preview(
-        self, loaded: LoadedPipeline, latents: torch.Tensor, ctx: JobContext, record: TimingRecord
-    ) -> str | None:
-        """Decode and save a preview; a preview that fails is logged and skipped, never fatal."""
-        try:
-            image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
-            path = output.save_preview(self.settings.output_dir, ctx.job_id, image)
-        except Exception as exc:
-            log.warning("preview failed for job %s: %s", ctx.job_id, exc)
-            return None
-        record.previews += 1
-        return path
+    def _reclaim(self, watch: Stopwatch, keep: str) -> None:
+        with watch.phase("load"):
+            self._free(keep=keep)
 
     def _result(
         self,
@@ -404,3 +267,18 @@ class Renderer:
             started_at=started_at,
             finished_at=datetime.now(timezone.utc),
         )
+
+
+def _requested_model(payload: Any) -> str | None:
+    """The model a raw payload names, if it names one; for records of jobs that fail early."""
+    model = payload.get("model") if isinstance(payload, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _fatal(exc: BaseException, job_id: str) -> FatalWorkerError | None:
+    """A device-lost error ends this worker, not just the job (no later job could succeed)."""
+    if isinstance(exc, FatalWorkerError):
+        return exc
+    if device_lost(exc) and not is_oom(exc):
+        return FatalWorkerError(f"the device was lost during job {job_id}: {exc}")
+    return None

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Any
 
 import structlog
 
 from api_client.manifest import Manifest
 from worker import logs
-from worker.faults import FaultPlan, InvalidFaults
+from worker.errors import InvalidFaults
+from worker.faults import FaultPlan
 from worker.settings import Settings
 
 log = structlog.get_logger("kiln.worker")
@@ -35,14 +38,17 @@ def serve(
         return 1
     # Heavy imports only now: torch, diffusers.
     from worker import device as dev
-    from worker.queue import make_worker, worker_connection
+    from worker.queue import RecordPublisher, make_worker, worker_connection
     from worker.render import Renderer
 
     info = dev.probe(settings)
-    renderer = Renderer(settings, manifests, info)
     connection = worker_connection(settings.redis_url)
     connection.ping()
-    worker = make_worker(connection, renderer, servable, name=name)
+    name = name or default_worker_name()
+    renderer = Renderer(
+        settings, manifests, info, worker_name=name, on_record=RecordPublisher(connection)
+    )
+    worker = make_worker(connection, renderer, servable)
     if prewarm:
         warm(renderer, servable, worker.name)
     if settings.metrics_port:
@@ -60,6 +66,9 @@ def serve(
         redis=redacted(settings.redis_url),
     )
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.WARNING))
+    if worker.fatal is not None:
+        log.error("worker_fatal", worker=worker.name, error=str(worker.fatal))
+        return 1
     if burst or worker.stopping:
         return 0
     # RQ's loop only ends by itself on an error it could not handle (e.g. Redis gone for longer
@@ -74,7 +83,7 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     """Render each served model once at each manifest resolution before taking jobs, so load,
     torch.compile (one graph per size) and allocator growth are paid at startup, not by the
     first job of each size. Each warm-up leaves its own (cold) timing record."""
-    from worker.render import LocalContext
+    from worker.context import LocalContext
 
     for model_id in models:
         manifest = renderer.manifests[model_id]
@@ -95,6 +104,11 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
                     "prewarm_failed", model=model_id, width=width, height=height, error=str(exc)
                 )
         log.info("prewarmed", model=model_id, sizes=len(manifest.resolutions))
+
+
+def default_worker_name() -> str:
+    """host.pid, like RQ's default, so an operator can tell the worker's machine and process."""
+    return f"{socket.gethostname()}.{os.getpid()}"
 
 
 def redacted(url: str) -> str:

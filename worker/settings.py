@@ -9,8 +9,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_client.manifest import Switch, SwitchName
+from api_client.schema import Rung
 
-MemoryMode = Literal["auto", "full", "model_offload", "group_offload"]
+MemoryMode = Literal["auto", Rung]
 SWITCH_NAMES: tuple[SwitchName, ...] = get_args(SwitchName)
 
 

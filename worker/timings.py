@@ -13,7 +13,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, Field
 
-from api_client.schema import Attempt, SettingsReport, Timings
+from api_client.schema import Attempt, SettingsReport, TimingFit, Timings
 
 log = structlog.get_logger("kiln.timings")
 
@@ -143,13 +143,13 @@ class FitTracker:
         del samples[: -self.window]
         return key
 
-    def fit(self, key: tuple[str, int, int]) -> dict[str, float | int]:
+    def fit(self, key: tuple[str, int, int]) -> TimingFit:
         samples = self._samples[key]
-        return {
-            "fixed_s": _median([s[0] for s in samples]),
-            "per_step_s": _median([s[1] for s in samples]),
-            "samples": len(samples),
-        }
+        return TimingFit(
+            fixed_s=_median([s[0] for s in samples]),
+            per_step_s=_median([s[1] for s in samples]),
+            samples=len(samples),
+        )
 
 
 def _median(values: list[float]) -> float:

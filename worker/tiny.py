@@ -42,7 +42,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-FAMILIES: tuple[str, ...] = ("sd15", "sdxl", "sd3")
+TINY_FAMILIES: tuple[str, ...] = ("sd15", "sdxl", "sd3")
 
 _T = TypeVar("_T")
 
@@ -66,7 +66,7 @@ LATENT_SIZE: Final = 16
 
 
 def build_tiny_models(
-    out_dir: Path, families: Iterable[str] = FAMILIES, *, force: bool = False
+    out_dir: Path, families: Iterable[str] = TINY_FAMILIES, *, force: bool = False
 ) -> dict[str, Path]:
     """Build tiny-<family> pipelines under out_dir (out_dir/tiny-sd15 ...).
 
@@ -76,7 +76,7 @@ def build_tiny_models(
     wanted = list(families)
     unknown = [f for f in wanted if f not in _BUILDERS]
     if unknown:
-        raise ValueError(f"families: unknown {unknown!r}; must be among {list(FAMILIES)!r}")
+        raise ValueError(f"families: unknown {unknown!r}; must be among {list(TINY_FAMILIES)!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     built: dict[str, Path] = {}

@@ -1,0 +1,112 @@
+"""One try at generating a job's images on a loaded pipeline: text encode, denoise to latents,
+decode, each in its own timed phase, with progress, previews and stop requests at each step.
+
+Rendering runs in three calls instead of one pipeline call so each phase is timed,
+fault-injected and retried on its own."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from api_client.schema import RenderRequest
+from worker import device as dev
+from worker import output
+from worker.context import JobContext
+from worker.device import DeviceInfo
+from worker.errors import JobStopped
+from worker.families import decode_preview, spec_of
+from worker.faults import FaultPlan
+from worker.resident import LoadedPipeline
+from worker.switches import preview_steps
+from worker.timings import Stopwatch, TimingRecord
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def generate(
+    loaded: LoadedPipeline,
+    request: RenderRequest,
+    ctx: JobContext,
+    watch: Stopwatch,
+    record: TimingRecord,
+    *,
+    info: DeviceInfo,
+    faults: FaultPlan,
+    output_dir: Path,
+) -> list[Image.Image]:
+    pipe, rung = loaded.pipe, loaded.rung
+    family = spec_of(loaded.manifest.family)
+    steps, guidance = int(request.steps or 1), float(request.guidance or 0.0)
+    count, seed = request.num_images, int(request.seed or 0)
+    shape = (request.width or 0, request.height or 0, count)
+    record.cold = record.cold or shape not in loaded.warm_shapes
+    # Generators live on the CPU so a seed gives the same image on every device.
+    generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)]
+    dev.reset_peak(info)
+
+    # 1. Text encode
+    with watch.phase("text_encode"):
+        ctx.progress("text_encode", 0, steps)
+        faults.check("text_encode", rung)
+        embeds = family.encode(pipe, request.prompt, request.negative_prompt, count, guidance > 1.0)
+
+    # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
+    #    quarter when previews are on) and honours a stop request.
+    previews = preview_steps(steps) if loaded.preview_vae is not None else set()
+
+    def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        preview = None
+        if step + 1 in previews:
+            preview = _preview(loaded, tensors["latents"], ctx, record, output_dir)
+        ctx.progress("denoise", step + 1, steps, preview)
+        if ctx.stop_requested():
+            raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
+        return tensors
+
+    with watch.phase("denoise"):
+        ctx.progress("denoise", 0, steps)
+        faults.check("denoise", rung)
+        latents = pipe(
+            **embeds,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            width=request.width,
+            height=request.height,
+            generator=generators,
+            output_type="latent",
+            callback_on_step_end=on_step,
+        ).images
+
+    # 3. Decode latents to pixels
+    with watch.phase("decode"):
+        ctx.progress("decode", steps, steps)
+        faults.check("decode", rung)
+        images = family.decode(pipe, latents)
+    loaded.warm_shapes.add(shape)
+    record.peak_memory_bytes = dev.peak_bytes(info)
+    record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
+    return images
+
+
+def _preview(
+    loaded: LoadedPipeline,
+    latents: torch.Tensor,
+    ctx: JobContext,
+    record: TimingRecord,
+    output_dir: Path,
+) -> str | None:
+    """Decode and save a preview; a preview that fails is logged and skipped, never fatal."""
+    try:
+        image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
+        path = output.save_preview(output_dir, ctx.job_id, image)
+    except Exception as exc:
+        log.warning("preview failed for job %s: %s", ctx.job_id, exc)
+        return None
+    record.previews += 1
+    return path

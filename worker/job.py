@@ -1,0 +1,135 @@
+"""One kiln job as RQ sees it: RenderJob only ever runs kiln's render (the function named in a
+payload is checked, never imported), and RQJobContext is the job as the renderer sees it:
+its payload, admission, progress into job.meta and stop requests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from rq.job import Job
+
+from api_client import keys
+from api_client.schema import RENDER_FUNC, JobError, Progress
+from worker.errors import JobStopped, RefusedJob, ShutdownStop
+
+
+class RenderJob(Job):
+    """A Job that runs kiln's render whatever its payload names, and runs no callbacks.
+
+    RQ's own Job imports whatever dotted name the payload carries: a pure-JSON job naming
+    os.system would run it. Here the name is only compared with RENDER_FUNC; a job asking for
+    anything else is refused unrun (see problems()), inside the render so it leaves a record.
+    """
+
+    # Set by the worker that executes this job: its entry point into kiln's render.
+    run: Callable[[RenderJob], dict[str, Any]] | None = None
+
+    @property
+    def func(self) -> Callable[..., Any]:
+        return self._execute
+
+    def _execute(self) -> Any:
+        if self.run is None:
+            raise RuntimeError(f"job {self.id}: a kiln job runs only inside `kiln worker`")
+        return self.run(self)
+
+    def problems(self) -> list[str]:
+        """Why this job must not run: anything but one render call with one request."""
+        found = []
+        try:
+            func_name, args, kwargs = self.func_name, list(self.args), self.kwargs
+        except Exception as exc:  # undecodable data: refused, never unpickled or imported
+            return [f"job data cannot be read: {type(exc).__name__}: {exc}"]
+        if func_name != RENDER_FUNC:
+            found.append(f"function {func_name!r} is not {RENDER_FUNC}")
+        if self.instance is not None:
+            found.append("jobs must not carry an instance")
+        for kind in ("success", "failure", "stopped"):
+            name = getattr(self, f"_{kind}_callback_name", None)
+            if name:
+                found.append(f"{kind} callback {name!r} is not allowed")
+        if self.webhooks:
+            found.append("webhooks are not allowed")
+        if args or not isinstance(kwargs, dict) or set(kwargs) != {"request"}:
+            found.append("arguments must be exactly one keyword, request")
+        return found
+
+    @property
+    def success_callback(self) -> None:
+        return None
+
+    @property
+    def failure_callback(self) -> None:
+        return None
+
+    @property
+    def stopped_callback(self) -> None:
+        return None
+
+    @property
+    def should_retry(self) -> bool:
+        # Retries are for abandoned jobs (a dead worker); a render that failed would fail again.
+        return False
+
+    def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
+        return None
+
+
+def record_error(job: Job, kind: str, message: str) -> None:
+    """The reason a job ended without a result, where the client reads it (job.meta)."""
+    job.meta["error"] = JobError(type=kind, message=message).model_dump()
+    job.save_meta()
+
+
+class RQJobContext:
+    """The job as a render sees it: progress into job.meta (written by the worker only), stop
+    requests from the client (a key) or from a second shutdown signal (an event)."""
+
+    def __init__(self, job: RenderJob, shutdown_now: threading.Event) -> None:
+        self.job = job
+        self.job_id: str = job.id
+        enqueued = job.enqueued_at
+        started = job.started_at or datetime.now(timezone.utc)
+        self.queue_wait_s = (
+            max((_aware(started) - _aware(enqueued)).total_seconds(), 0.0) if enqueued else 0.0
+        )
+        self.payload = _request_of(job)
+        self._shutdown_now = shutdown_now
+        self._stop_key = keys.stop_key(job.id)
+        self._preview: str | None = None
+
+    def admit(self) -> None:
+        problems = self.job.problems()
+        if problems:
+            raise RefusedJob(f"refused job {self.job_id}: " + "; ".join(problems))
+        # A job cancelled while it sat in a queue (or while its worker died) never loads a model.
+        if self.stop_requested():
+            raise JobStopped(f"job {self.job_id} stopped on request before it started")
+
+    def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
+        # The latest preview stays in every later update until a newer one replaces it.
+        self._preview = preview or self._preview
+        progress = Progress(phase=phase, step=step, steps=steps, preview=self._preview)
+        self.job.meta["progress"] = progress.model_dump()
+        self.job.save_meta()  # type: ignore[no-untyped-call]
+
+    def stop_requested(self) -> bool:
+        if self._shutdown_now.is_set():
+            raise ShutdownStop(f"job {self.job_id} stopped by worker shutdown; re-queued")
+        return bool(self.job.connection.exists(self._stop_key))
+
+
+def _request_of(job: Job) -> Any:
+    """The request payload, or None when the job's data cannot be read (admit() refuses it)."""
+    try:
+        kwargs = job.kwargs
+    except Exception:
+        return None
+    return kwargs.get("request") if isinstance(kwargs, dict) else None
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)

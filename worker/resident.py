@@ -1,0 +1,169 @@
+"""Pipelines resident in this worker: what a load produced (LoadedPipeline), the cache that keeps
+them across jobs with least-recently-used eviction, and the release of their device memory."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from api_client.manifest import Manifest
+from api_client.schema import Rung, SettingsReport
+from worker import device as dev
+from worker.device import DeviceInfo
+from worker.families import spec_of
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass
+class LoadedPipeline:
+    """One pipeline on one rung, with what its load did; lives in the cache across jobs."""
+
+    manifest: Manifest
+    pipe: Any
+    rung: Rung
+    dtype: torch.dtype
+    settings: SettingsReport
+    compiled: bool = False
+    quantized: dict[str, str] = field(default_factory=dict)
+    load_s: float = 0.0
+    device_bytes: int = 0  # device memory this pipeline took at load (allocated after - before)
+    warm_shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (w, h, batch) seen
+    recompiles: int = 0  # graphs Dynamo built for this pipeline after its first job
+    preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The UNet or transformer: what compile, channels_last and attention switches act on."""
+        module: torch.nn.Module = getattr(self.pipe, spec_of(self.manifest.family).denoiser)
+        return module
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One pipeline dropped from the cache, with the device memory measured around it."""
+
+    model_id: str
+    rung: Rung
+    allocated_before: int
+    allocated_after: int
+
+    @property
+    def freed_bytes(self) -> int:
+        return max(self.allocated_before - self.allocated_after, 0)
+
+
+class PipelineCache:
+    """Resident pipelines by model id, least recently used first."""
+
+    def __init__(self, info: DeviceInfo) -> None:
+        self.info = info
+        self._resident: OrderedDict[str, LoadedPipeline] = OrderedDict()
+        # The latest evictions, oldest first; bounded, since a worker runs for months.
+        self.evictions: deque[Eviction] = deque(maxlen=100)
+
+    def get(self, model_id: str) -> LoadedPipeline | None:
+        loaded = self._resident.get(model_id)
+        if loaded is not None:
+            self._resident.move_to_end(model_id)
+        return loaded
+
+    def put(self, loaded: LoadedPipeline) -> None:
+        self._resident[loaded.manifest.id] = loaded
+        self._resident.move_to_end(loaded.manifest.id)
+
+    def model_ids(self) -> list[str]:
+        return list(self._resident)
+
+    def resident_bytes(self, exclude: str | None = None) -> int:
+        return sum(p.device_bytes for k, p in self._resident.items() if k != exclude)
+
+    def evict(self, model_id: str) -> Eviction | None:
+        """Drop one pipeline and release its device memory, measuring allocated bytes around it."""
+        loaded = self._resident.pop(model_id, None)
+        if loaded is None:
+            return None
+        release_memory(self.info)
+        before = dev.allocated_bytes(self.info)
+        rung = loaded.rung
+        _release(loaded)
+        del loaded
+        release_memory(self.info)
+        eviction = Eviction(model_id, rung, before, dev.allocated_bytes(self.info))
+        self.evictions.append(eviction)
+        log.info(
+            "evicted %s (%s): allocated %d -> %d bytes, freed %d",
+            model_id,
+            rung,
+            eviction.allocated_before,
+            eviction.allocated_after,
+            eviction.freed_bytes,
+        )
+        return eviction
+
+    def evict_others(self, keep: str | None) -> list[str]:
+        evicted = [model_id for model_id in list(self._resident) if model_id != keep]
+        for model_id in evicted:
+            self.evict(model_id)
+        return evicted
+
+    def evict_lru_until(self, need_bytes: int, free_now: int, keep: str | None) -> list[str]:
+        """Evict least recently used pipelines (never keep) until need_bytes would fit."""
+        evicted: list[str] = []
+        for model_id in list(self._resident):
+            if free_now >= need_bytes:
+                break
+            if model_id == keep:
+                continue
+            free_now += self._resident[model_id].device_bytes
+            self.evict(model_id)
+            evicted.append(model_id)
+        return evicted
+
+
+def _release(loaded: LoadedPipeline) -> None:
+    """Drop every reference kiln holds to the weights so the allocator can take them back.
+
+    Offload hooks reference their modules (accelerate's hooks and diffusers' group-offload
+    registries), so they come off first; the pipeline is not copied back to the host, which
+    would cost a full transfer and host memory just to throw the weights away.
+    """
+    pipe = loaded.pipe
+    loaded.pipe = None
+    if pipe is None:
+        return
+    try:
+        pipe.remove_all_hooks()
+    except Exception:
+        log.debug("remove_all_hooks failed", exc_info=True)
+    for component in list(pipe.components.values()):
+        if isinstance(component, torch.nn.Module):
+            _remove_group_offload(component)
+    del pipe
+
+
+def _remove_group_offload(module: torch.nn.Module) -> None:
+    from diffusers.hooks import HookRegistry
+
+    for sub in module.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            for name in list(registry.hooks):
+                registry.remove_hook(name, recurse=False)
+
+
+def release_memory(info: DeviceInfo) -> None:
+    gc.collect()
+    dev.empty_cache(info)

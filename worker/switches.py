@@ -1,0 +1,210 @@
+"""The optimisation switches (quantize, sdpa, channels_last, attention_slicing, vae_tiling,
+taesd_preview, compile): each is auto | on | off, read through one lookup (the manifest's
+`optimizations:` over the KILN_* setting), and each reports applied, skipped or fell_back with
+its reason into the pipeline's SettingsReport."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from api_client.manifest import Manifest, Switch, SwitchName
+from worker.device import DeviceInfo
+from worker.errors import CompileRequired
+from worker.manifest import weights_source
+from worker.resident import LoadedPipeline
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def switch(manifest: Manifest, settings: Settings, name: SwitchName) -> Switch:
+    """A switch's value for this model: the manifest's override, else the worker's setting."""
+    return manifest.optimizations.get(name, settings.switch(name))
+
+
+def apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """Everything that acts on the pipeline before placement, in this order."""
+    _quantize(loaded, info, settings)
+    _sdpa(loaded, settings)
+    _channels_last(loaded, info, settings)
+    _attention_slicing(loaded, settings)
+    _vae_tiling(loaded, settings)
+    _taesd_preview(loaded, info, settings)
+
+
+def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """torchao after load, before placement; a scheme this stack cannot run is reported skipped."""
+    manifest, report = loaded.manifest, loaded.settings
+    wanted = manifest.quantize
+    value = switch(manifest, settings, "quantize")
+    if not wanted:
+        if value == "on":
+            report.add("skipped", "quantize", "manifest names no components to quantize")
+        return
+    if value == "off":
+        report.add("skipped", "quantize", "switched off (KILN_QUANTIZE=off or manifest)")
+        return
+    from worker.quantize import quantize_component
+
+    for component, scheme in wanted.items():
+        module = getattr(loaded.pipe, component, None)
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(
+                f"model {manifest.id}: quantize names {component!r}, which this pipeline lacks"
+            )
+        reason = quantize_component(module, scheme, info)
+        if reason is None:
+            loaded.quantized[component] = scheme
+            report.add("applied", f"quantize:{component}", f"torchao {scheme}")
+        else:
+            report.add("skipped", f"quantize:{component}", reason)
+
+
+def _sdpa(loaded: LoadedPipeline, settings: Settings) -> None:
+    if switch(loaded.manifest, settings, "sdpa") == "off":
+        from diffusers.models.attention_processor import AttnProcessor
+
+        loaded.denoiser.set_attn_processor(AttnProcessor())  # type: ignore[operator]
+        loaded.settings.add("skipped", "sdpa", "switched off: classic attention processor")
+    else:
+        loaded.settings.add(
+            "applied", "sdpa", "torch scaled_dot_product_attention (diffusers default)"
+        )
+
+
+def _channels_last(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    value, report = switch(loaded.manifest, settings, "channels_last"), loaded.settings
+    denoiser = loaded.denoiser
+    if value == "on" or (value == "auto" and info.accelerator and denoiser is loaded.pipe.unet):
+        denoiser.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        report.add("applied", "channels_last", "denoiser in channels_last layout")
+    elif value == "auto":
+        why = "not a conv UNet" if info.accelerator else "CPU: no measured gain"
+        report.add("skipped", "channels_last", f"auto: {why}")
+    else:
+        report.add("skipped", "channels_last", "switched off")
+
+
+def _attention_slicing(loaded: LoadedPipeline, settings: Settings) -> None:
+    if switch(loaded.manifest, settings, "attention_slicing") == "on":
+        loaded.pipe.enable_attention_slicing()
+        loaded.settings.add("applied", "attention_slicing", "switched on")
+    else:
+        loaded.settings.add(
+            "skipped",
+            "attention_slicing",
+            "SDPA is already memory-efficient; slicing only slows it",
+        )
+
+
+def _vae_tiling(loaded: LoadedPipeline, settings: Settings) -> None:
+    value, rung = switch(loaded.manifest, settings, "vae_tiling"), loaded.rung
+    if value == "on" or (value == "auto" and rung != "full"):
+        loaded.pipe.vae.enable_tiling()
+        why = "switched on" if value == "on" else f"auto: offload rung {rung}"
+        loaded.settings.add("applied", "vae_tiling", why)
+    else:
+        why = "switched off" if value == "off" else "auto: fully resident, decode fits"
+        loaded.settings.add("skipped", "vae_tiling", why)
+
+
+def _taesd_preview(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """TAESD decodes a latent in milliseconds: a preview a few times per job for the client.
+
+    A preview is a convenience: if its weights cannot be loaded the job goes on without one.
+    """
+    manifest, report = loaded.manifest, loaded.settings
+    if switch(manifest, settings, "taesd_preview") == "off":
+        report.add("skipped", "taesd_preview", "switched off")
+        return
+    if manifest.taesd is None:
+        report.add("skipped", "taesd_preview", "the manifest names no taesd weights")
+        return
+    from diffusers import AutoencoderTiny
+
+    try:
+        source = weights_source(manifest, settings.models_dir, manifest.taesd, marker="config.json")
+        taesd = AutoencoderTiny.from_pretrained(source.location, dtype=loaded.dtype)
+    except Exception as exc:
+        report.add("skipped", "taesd_preview", f"cannot load taesd {manifest.taesd!r}: {exc}")
+        return
+    # A few MB: it stays on the device at every rung, so previews never wait for an offload.
+    loaded.preview_vae = taesd.to(info.torch_device).eval()
+    report.add(
+        "applied", "taesd_preview", f"TAESD {manifest.taesd}: a preview each quarter of the steps"
+    )
+
+
+def preview_steps(steps: int) -> set[int]:
+    """1-based steps after which a preview is drawn; never the last: the real decode follows."""
+    every = max(steps // 4, 1)
+    return {step for step in range(every, steps, every)}
+
+
+def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """torch.compile only at full: accelerate's offload hooks and Inductor fight each other."""
+    manifest, report = loaded.manifest, loaded.settings
+    policy, value = manifest.compile, switch(manifest, settings, "compile")
+    required = policy == "required" and loaded.rung == "full"
+    if policy == "off":
+        report.add("skipped", "compile", "switched off by the manifest (compile: off)")
+        return
+    if loaded.rung != "full":
+        why = "required, but" if policy == "required" else "skipped:"
+        report.add(
+            "skipped", "compile", f"{why} offload hooks and Inductor conflict at rung {loaded.rung}"
+        )
+        return
+    if value == "off" and required:
+        raise CompileRequired(
+            f"model {manifest.id}: compile is required when fully resident,"
+            " but the compile switch is off"
+        )
+    if value == "off":
+        report.add("skipped", "compile", "switched off")
+        return
+    if value == "auto" and not required and not info.accelerator:
+        report.add(
+            "skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)"
+        )
+        return
+    from worker.compile import compile_available, compile_denoiser
+
+    unavailable = compile_available()
+    try:
+        if unavailable is not None:
+            raise RuntimeError(unavailable)
+        how = compile_denoiser(loaded.denoiser, settings)
+    except Exception as exc:
+        if required:
+            raise CompileRequired(
+                f"model {manifest.id}: compile is required and failed: {exc}"
+            ) from exc
+        report.add(
+            "fell_back", "compile", f"eager: torch.compile failed: {type(exc).__name__}: {exc}"
+        )
+        return
+    loaded.compiled = True
+    report.add("applied", "compile", how)
+
+
+def compile_fell_back(loaded: LoadedPipeline, exc: BaseException) -> bool:
+    """Graphs are built lazily at the first forward; when that fails, go eager if policy allows."""
+    from worker.compile import is_compile_failure, uncompile_denoiser
+
+    if not loaded.compiled or not is_compile_failure(exc):
+        return False
+    if loaded.manifest.compile == "required":
+        raise CompileRequired(
+            f"model {loaded.manifest.id}: compile is required"
+            f" and failed at the first forward: {exc}"
+        ) from exc
+    uncompile_denoiser(loaded.denoiser)
+    loaded.compiled = False
+    loaded.settings.applied = [n for n in loaded.settings.applied if n.name != "compile"]
+    # Dynamo puts the backend's own error on the lines after "backend=... raised:".
+    why = " ".join(str(exc).split())[:300] or type(exc).__name__
+    loaded.settings.add("fell_back", "compile", f"eager: first compiled forward failed: {why}")
+    return True
