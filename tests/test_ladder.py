@@ -11,7 +11,8 @@ from redis import Redis
 from api_client import RenderFailed
 from api_client.schema import RenderResult
 from tests.helpers import burst, client_for, make_renderer, records
-from worker.faults import FaultPlan, InvalidFaults
+from worker.errors import InvalidFaults, device_lost
+from worker.faults import FaultPlan
 from worker.ladder import GB, is_oom, pick_rung, usable_gb
 from worker.render import Renderer
 
@@ -227,6 +228,10 @@ def test_fault_specs_parse_and_reject_with_the_rule() -> None:
     with pytest.raises(Exception, match="load at rung group_offload"):
         plan.check("load", "group_offload")
     assert not plan
+    lost = FaultPlan.parse("lost@decode:model_offload")
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        lost.check("decode", "model_offload")
+    assert device_lost(raised.value) and not is_oom(raised.value)
     for bad in ("oom@paint:full", "oom@load:tiny", "crash@load:full"):
         with pytest.raises(InvalidFaults, match=bad.split(",")[0]):
             FaultPlan.parse(bad)

@@ -1,6 +1,9 @@
 """`kiln bench`: a prompt suite over a matrix of models, steps, sizes and settings, measured in one
 run so ratios compare like with like; medians and p90 with cold runs excluded, and a linear fit
-seconds = fixed + steps * per_step per model and size."""
+seconds = fixed + steps * per_step per model and size.
+
+Over 300 lines because the matrix grammar, the two ways to run it (renderer, queue) and the
+report tables belong to one verb and change together."""
 
 from __future__ import annotations
 

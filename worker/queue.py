@@ -25,6 +25,9 @@ The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and 
 Beside it, every 2 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
 (*recover_abandoned). Signals: the first SIGTERM/SIGINT finishes the job and exits
 (*request_stop); a second stops it at its next step and re-queues it (*request_force_stop).
+
+Over 300 lines because this docstring and every RQ hook override stay in one place: the order
+in which RQ calls them is the thing to read together.
 """
 
 from __future__ import annotations
