@@ -47,6 +47,9 @@ class RenderRequest(BaseModel):
     seed: int | None = None
     num_images: int = 1
     output_format: OutputFormat = "png"
+    # TAESD previews while denoising, for a client that shows them (the model's manifest names
+    # taesd weights); off by default: nobody watching, nothing drawn.
+    previews: bool = False
 
     @classmethod
     def parse(cls, payload: Any) -> RenderRequest:

@@ -26,7 +26,7 @@ def test_a_lost_device_fails_the_job_and_ends_the_worker(
         assert lost.wait(timeout=120) == 1, lost.output()
     finally:
         lost.stop()
-    with pytest.raises(RenderFailed, match="device was lost during job .*illegal memory access"):
+    with pytest.raises(RenderFailed, match=r"device was lost during job .*illegal memory access"):
         doomed.wait(timeout=1)
     assert "worker_fatal" in lost.output()
     assert waiting.status() == "queued"  # not taken, not lost: a fresh worker will run it

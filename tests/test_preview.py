@@ -15,7 +15,7 @@ from worker.render import Renderer
 from worker.switches import preview_steps
 from worker.timings import TimingRecord
 
-REQUEST = {"model": "tiny-sdxl", "prompt": "a lighthouse", "steps": 8, "seed": 11}
+REQUEST = {"model": "tiny-sdxl", "prompt": "a lighthouse", "steps": 8, "seed": 11, "previews": True}
 
 
 def test_previews_reach_the_client_and_leave_the_image_unchanged(
@@ -45,6 +45,13 @@ def test_previews_reach_the_client_and_leave_the_image_unchanged(
     assert unpreviewed.images[0].sha256 == result.images[0].sha256
     assert "taesd_preview" in unpreviewed.settings.names("skipped")
     assert not (quiet.output_dir / same.id / "preview.jpg").exists()
+
+    # Nobody asked: the TAESD is loaded, but no preview is drawn.
+    unasked = client.submit({**REQUEST, "previews": False})
+    burst(redis_conn, make_renderer(settings, ["tiny-sdxl"]), ["tiny-sdxl"])
+    assert unasked.wait(timeout=10).images[0].sha256 == result.images[0].sha256
+    assert records(settings.timings_log)[-1].previews == 0
+    assert not (settings.output_dir / unasked.id / "preview.jpg").exists()
 
 
 def test_missing_or_unloadable_taesd_is_skipped_with_its_reason(make_settings: Any) -> None:

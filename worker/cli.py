@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int)
     submit.add_argument("--num-images", type=int)
     submit.add_argument("--format", dest="output_format", choices=["png", "webp", "jpeg"])
+    submit.add_argument(
+        "--previews",
+        action="store_true",
+        default=None,
+        help="draw TAESD previews while denoising (models whose manifest names taesd)",
+    )
     submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
     submit.add_argument(
         "--front", action="store_true", help="put the job at the front of its queue"

@@ -57,8 +57,9 @@ def generate(
         embeds = family.encode(pipe, request.prompt, request.negative_prompt, count, guidance > 1.0)
 
     # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
-    #    quarter when previews are on) and honours a stop request.
-    previews = preview_steps(steps) if loaded.preview_vae is not None else set()
+    #    quarter when the request asks and the model has TAESD) and honours a stop request.
+    wanted = request.previews and loaded.preview_vae is not None
+    previews = preview_steps(steps) if wanted else set()
 
     def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         preview = None

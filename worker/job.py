@@ -5,6 +5,7 @@ its payload, admission, progress into job.meta and stop requests."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -14,6 +15,9 @@ from rq.job import Job
 from api_client import keys
 from api_client.schema import RENDER_FUNC, JobError, Progress
 from worker.errors import JobStopped, RefusedJob, ShutdownStop
+
+# A progress bar needs a few updates a second, not one Redis write per denoising step.
+PROGRESS_INTERVAL_S = 0.25
 
 
 class RenderJob(Job):
@@ -85,10 +89,14 @@ def record_error(job: Job, kind: str, message: str) -> None:
 
 
 class RQJobContext:
-    """The job as a render sees it: progress into job.meta (written by the worker only), stop
-    requests from the client (a key) or from a second shutdown signal (an event)."""
+    """The job as a render sees it: progress into job.meta (written by the worker only, at most
+    every PROGRESS_INTERVAL_S within a phase), and stop requests, read from events the worker
+    sets without a Redis round trip per step: `cancelled` when its heartbeat thread finds the
+    job's stop key, `shutdown_now` on a second shutdown signal."""
 
-    def __init__(self, job: RenderJob, shutdown_now: threading.Event) -> None:
+    def __init__(
+        self, job: RenderJob, shutdown_now: threading.Event, cancelled: threading.Event
+    ) -> None:
         self.job = job
         self.job_id: str = job.id
         enqueued = job.enqueued_at
@@ -98,20 +106,26 @@ class RQJobContext:
         )
         self.payload = _request_of(job)
         self._shutdown_now = shutdown_now
-        self._stop_key = keys.stop_key(job.id)
+        self._cancelled = cancelled
         self._preview: str | None = None
+        self._phase: str | None = None
+        self._written_at = 0.0
 
     def admit(self) -> None:
         problems = self.job.problems()
         if problems:
             raise RefusedJob(f"refused job {self.job_id}: " + "; ".join(problems))
         # A job cancelled while it sat in a queue (or while its worker died) never loads a model.
-        if self.stop_requested():
+        if self.job.connection.exists(keys.stop_key(self.job_id)):
             raise JobStopped(f"job {self.job_id} stopped on request before it started")
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
         # The latest preview stays in every later update until a newer one replaces it.
         self._preview = preview or self._preview
+        now = time.monotonic()
+        if phase == self._phase and not preview and now - self._written_at < PROGRESS_INTERVAL_S:
+            return
+        self._phase, self._written_at = phase, now
         progress = Progress(phase=phase, step=step, steps=steps, preview=self._preview)
         self.job.meta["progress"] = progress.model_dump()
         self.job.save_meta()  # type: ignore[no-untyped-call]
@@ -119,7 +133,7 @@ class RQJobContext:
     def stop_requested(self) -> bool:
         if self._shutdown_now.is_set():
             raise ShutdownStop(f"job {self.job_id} stopped by worker shutdown; re-queued")
-        return bool(self.job.connection.exists(self._stop_key))
+        return self._cancelled.is_set()
 
 
 def _request_of(job: Job) -> Any:

@@ -9,7 +9,9 @@ The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and 
 2. *execute_job caps the job's timeout at KILN_JOB_TIMEOUT_S and gives the job its entry point
    into kiln (RenderJob.run = KilnWorker.render_job).
 3. *prepare_execution: RQ registers the execution (StartedJobRegistry); the Pulse thread now
-   keeps this job's heartbeat fresh (*get_heartbeat_ttl: 10 s, beat every 2 s).
+   keeps this job's heartbeat fresh (*get_heartbeat_ttl: 10 s, beat every 2 s) and, in the same
+   beat, looks for the job's stop key: a cancel reaches the render within a beat, with no Redis
+   round trip per denoising step.
 4. RQ's perform_job runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
    RenderJob._execute -> render_job -> Renderer.render (worker/render.py: admit, validate,
    answer from disk, rung, load, generate, save). The render emits the job's one timing record
@@ -141,6 +143,8 @@ class KilnWorker(SimpleWorker):
         self._holding_job = False
         # Set by a second SIGTERM/SIGINT: the running job stops at its next step and is re-queued.
         self.shutdown_now = threading.Event()
+        # Set by the heartbeat thread when the running job's stop key appears (a cancel).
+        self.cancelled = threading.Event()
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
 
     # -- the work loop --------------------------------------------------------------------------
@@ -190,7 +194,8 @@ class KilnWorker(SimpleWorker):
 
     def render_job(self, job: RenderJob) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
-        ctx = RQJobContext(job, self.shutdown_now)
+        self.cancelled.clear()  # admit() reads the stop key itself, so no cancel is missed
+        ctx = RQJobContext(job, self.shutdown_now, self.cancelled)
         try:
             result = self.renderer.render(ctx.payload, ctx)
         except ShutdownStop:
@@ -254,10 +259,14 @@ class KilnWorker(SimpleWorker):
     # -- heartbeats, state, recovery (called from the pulse thread) -----------------------------
 
     def maintain_running_job(self) -> bool:
-        """Refresh the running job's heartbeat; True when Redis took it (or nothing is running)."""
+        """Refresh the running job's heartbeat and look for a cancel of it (the render reads the
+        event at its next step); True when Redis took it (or nothing is running)."""
         with self._running_lock:
-            if self._running is not None and self.execution is not None:
-                self.maintain_heartbeats(self._running)
+            job = self._running
+            if job is not None and self.execution is not None:
+                self.maintain_heartbeats(job)
+                if self.connection.exists(keys.stop_key(job.id)):
+                    self.cancelled.set()
         return True
 
     def recover_abandoned(self) -> None:
