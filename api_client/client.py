@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from redis import Redis
 from rq import Queue, Retry
@@ -18,6 +18,7 @@ from rq.serializers import JSONSerializer
 
 from api_client import keys
 from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client.eta import job_eta, live_workers
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
 from api_client.schema import (
     RENDER_FUNC,
@@ -103,6 +104,11 @@ class KilnJob:
             if time.monotonic() >= deadline:
                 raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
             time.sleep(poll)
+
+    def eta(self) -> float | None:
+        """Seconds until the result is expected, counting the jobs ahead of it in its queue and
+        each one's measured fit (see api_client.eta); None until the sizes in play have fits."""
+        return job_eta(self._connection, self._fetch())
 
     def cancel(self) -> str:
         """Queued: removed from its queue. Running: stopped at the next denoise step, not retried.
@@ -223,12 +229,7 @@ class KilnClient:
 
     def workers(self) -> list[WorkerState]:
         """Live workers' published state (those whose heartbeat key has not expired)."""
-        members = cast(list[bytes], self.connection.zrange(keys.WORKERS_KEY, 0, -1))
-        names = [_text(n) for n in members]
-        if not names:
-            return []
-        states = self.connection.mget([keys.worker_key(n) for n in names])
-        return [WorkerState.model_validate_json(raw) for raw in states if raw]
+        return live_workers(self.connection)
 
 
 def _text(value: bytes | str) -> str:

@@ -189,6 +189,7 @@ class TimingFit(BaseModel):
     fixed_s: float
     per_step_s: float
     samples: int
+    rung: str | None = None  # the rung the samples ran on
 
     def eta(self, steps: int, num_images: int = 1) -> float:
         return num_images * (self.fixed_s + steps * self.per_step_s)

@@ -76,8 +76,9 @@ def test_workers_publish_models_resident_and_heartbeat(
     assert listed["tiny-sdxl"]["workers"] == [worker.name]
 
 
-def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, settings: Any) -> None:
-    """`--metrics-port`: after a burst, /metrics shows the jobs by status and phase histograms."""
+def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, make_settings: Any) -> None:
+    """`--metrics-port`: after a burst, /metrics shows the jobs by status, phase histograms, the
+    drilled out-of-memory attempts and descent, the resident rung, memory, and queue depth."""
     import socket
     import urllib.request
 
@@ -86,13 +87,21 @@ def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, settings: An
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    start_metrics(port)
+    start_metrics(port, redis_conn, ["tiny-sd15", "tiny-sdxl"])
+    settings = make_settings(faults="oom@denoise:full*2")
     client = client_for(redis_conn, settings)
     client.submit({"model": "tiny-sd15", "prompt": "counted", "steps": 2})
     enqueue_raw(redis_conn, "tiny-sd15", {"request": {"model": "tiny-sd15", "prompt": ""}})
+    client.submit({"model": "tiny-sdxl", "prompt": "waiting", "steps": 2})
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"], redis_conn), ["tiny-sd15"])
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    assert 'kiln_jobs_total{model="tiny-sd15",status="done"}' in text
-    assert 'kiln_jobs_total{model="tiny-sd15",status="failed"}' in text
+    assert 'kiln_jobs_total{model="tiny-sd15",status="done"} 1.0' in text
+    assert 'kiln_jobs_total{model="tiny-sd15",status="failed"} 1.0' in text
     assert 'kiln_phase_seconds_count{model="tiny-sd15",phase="denoise"}' in text
+    assert 'kiln_oom_total{model="tiny-sd15",phase="denoise",rung="full"} 2.0' in text
+    assert 'kiln_rung_descents_total{model="tiny-sd15",rung="full"} 1.0' in text
+    assert 'kiln_resident_rung{model="tiny-sd15",rung="model_offload"} 1.0' in text
+    assert "kiln_device_memory_allocated_bytes " in text
+    assert 'kiln_queue_depth{model="tiny-sdxl"} 1.0' in text
+    assert 'kiln_queue_depth{model="tiny-sd15"} 0.0' in text

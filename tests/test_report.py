@@ -9,9 +9,8 @@ from typing import Any
 
 from api_client.schema import Timings
 from tests.conftest import kiln
-from worker.bench import linear_fit
 from worker.report import percentile, summarize
-from worker.timings import FitTracker, TimingRecord
+from worker.timings import FitTracker, TimingRecord, linear_fit
 
 
 def _record(model: str, total: float, cold: bool = False, status: str = "done") -> TimingRecord:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.report import percentile, summarize, write_chart, write_csv
 from worker.settings import Settings
-from worker.timings import TimingRecord
+from worker.timings import TimingRecord, linear_fit
 
 
 class Cell(BaseModel):
@@ -188,18 +188,6 @@ def group(done: list[tuple[Cell, TimingRecord]]) -> list[Group]:
             )
         groups[key].records.append(record)
     return list(groups.values())
-
-
-def linear_fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Least squares seconds = fixed + steps * per_step; None without two distinct step counts."""
-    xs = [float(x) for x, _ in points]
-    if len(set(xs)) < 2:
-        return None
-    ys = [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    slope = covariance / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
 
 
 def render_tables(groups: list[Group]) -> list[Any]:

@@ -59,6 +59,7 @@ from rq.worker import DequeueStrategy
 
 from api_client import keys
 from api_client.schema import WorkerState
+from worker import device as dev
 from worker import metrics
 from worker.errors import FatalWorkerError, JobDeadlineExceeded, JobStopped, ShutdownStop
 from worker.job import RenderJob, RQJobContext, record_error
@@ -313,6 +314,8 @@ class KilnWorker(SimpleWorker):
         conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
 
     def _publish_state_after_job(self) -> None:
+        renderer = self.renderer
+        metrics.observe_resident(renderer.cache.rungs(), dev.allocated_bytes(renderer.info))
         try:
             self.publish_state()
         except REDIS_ERRORS as exc:

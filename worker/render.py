@@ -79,8 +79,7 @@ class Renderer:
             ctx.admit()
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
-            record.model, record.num_images = request.model, request.num_images
-            record.steps, record.width, record.height = request.steps, request.width, request.height
+            _describe(record, request)
             # 2. A job whose files were completed before a crash is answered from disk.
             done = output.finished_result(self.settings.output_dir, ctx.job_id)
             if done is not None:
@@ -194,6 +193,7 @@ class Renderer:
             record.rung, record.dtype = loaded.rung, loaded.dtype_name
             record.compiled, record.settings = loaded.compiled, loaded.settings
             record.quantized = loaded.quantized
+            record.scheduler = type(loaded.pipe.scheduler).__name__
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             try:
                 images = generate(
@@ -267,6 +267,13 @@ class Renderer:
             started_at=started_at,
             finished_at=datetime.now(timezone.utc),
         )
+
+
+def _describe(record: TimingRecord, request: RenderRequest) -> None:
+    """What the record needs to reproduce the job: the resolved request's numbers."""
+    record.model, record.num_images, record.seed = request.model, request.num_images, request.seed
+    record.steps, record.guidance = request.steps, request.guidance
+    record.width, record.height = request.width, request.height
 
 
 def _requested_model(payload: Any) -> str | None:

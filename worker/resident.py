@@ -87,6 +87,10 @@ class PipelineCache:
     def model_ids(self) -> list[str]:
         return list(self._resident)
 
+    def rungs(self) -> dict[str, Rung]:
+        """Each resident model's rung, without touching its place in the LRU order."""
+        return {model_id: loaded.rung for model_id, loaded in self._resident.items()}
+
     def resident_bytes(self, exclude: str | None = None) -> int:
         return sum(p.device_bytes for k, p in self._resident.items() if k != exclude)
 

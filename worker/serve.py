@@ -54,7 +54,7 @@ def serve(
     if settings.metrics_port:
         from worker.metrics import start_metrics
 
-        start_metrics(settings.metrics_port)
+        start_metrics(settings.metrics_port, connection, servable)
     log.info(
         "worker_started",
         worker=worker.name,

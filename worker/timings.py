@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -64,7 +66,10 @@ class TimingRecord(BaseModel):
     error: str | None = None
     timings: Timings = Field(default_factory=Timings)
     cold: bool = False  # first job of this pipeline and shape in this process
+    seed: int | None = None
     steps: int | None = None
+    guidance: float | None = None
+    scheduler: str | None = None  # the scheduler class the pipeline ran with
     per_step_s: float | None = None
     width: int | None = None
     height: int | None = None
@@ -118,16 +123,25 @@ def read_records(log_path: Path) -> Iterator[TimingRecord]:
                 continue
 
 
-class FitTracker:
-    """Per (model, width, height): seconds = fixed_s + steps * per_step_s, from warm jobs only.
+@dataclass(frozen=True)
+class _Sample:
+    steps: int
+    seconds: float  # per image, dequeue to result, load excluded
+    denoise: float  # per image
+    rung: str | None
 
-    per_step_s is the median denoise time per step and image; fixed_s the median of everything
-    else a job costs after it is dequeued (text encode, decode, encode, save), per image.
+
+class FitTracker:
+    """Per (model, width, height): seconds per image = fixed_s + steps * per_step_s, from warm
+    jobs at the rung they ran on (a job on another rung starts the samples over).
+
+    Least squares over the latest `window` jobs when they span two or more step counts; with one
+    step count the split comes from the measured phases (denoise per step, the rest fixed).
     """
 
     def __init__(self, window: int = 50) -> None:
         self.window = window
-        self._samples: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+        self._samples: dict[tuple[str, int, int], list[_Sample]] = {}
 
     def add(self, record: TimingRecord) -> tuple[str, int, int] | None:
         if not record.steady or not record.model or not record.steps:
@@ -135,21 +149,40 @@ class FitTracker:
         if record.width is None or record.height is None:
             return None
         t, images = record.timings, max(record.num_images or 1, 1)
-        per_step = t.denoise / record.steps / images
-        fixed = max(t.total - t.load - t.denoise, 0.0) / images
+        sample = _Sample(
+            record.steps, max(t.total - t.load, 0.0) / images, t.denoise / images, record.rung
+        )
         key = (record.model, record.width, record.height)
         samples = self._samples.setdefault(key, [])
-        samples.append((fixed, per_step))
+        if samples and samples[-1].rung != sample.rung:
+            samples.clear()
+        samples.append(sample)
         del samples[: -self.window]
         return key
 
     def fit(self, key: tuple[str, int, int]) -> TimingFit:
         samples = self._samples[key]
+        line = linear_fit([(s.steps, s.seconds) for s in samples])
+        if line is not None and line[0] >= 0 and line[1] > 0:
+            fixed, per_step = line
+        else:
+            per_step = _median([s.denoise / s.steps for s in samples])
+            fixed = _median([s.seconds - s.denoise for s in samples])
         return TimingFit(
-            fixed_s=_median([s[0] for s in samples]),
-            per_step_s=_median([s[1] for s in samples]),
-            samples=len(samples),
+            fixed_s=fixed, per_step_s=per_step, samples=len(samples), rung=samples[-1].rung
         )
+
+
+def linear_fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares seconds = fixed + steps * per_step; None without two distinct step counts."""
+    xs = [float(x) for x, _ in points]
+    if len(set(xs)) < 2:
+        return None
+    ys = [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = covariance / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
 
 
 def _median(values: list[float]) -> float:
