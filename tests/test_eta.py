@@ -55,7 +55,7 @@ def test_job_eta_counts_the_jobs_ahead_with_their_fits(redis_conn: Redis, settin
     assert fit.samples == 4 and fit.per_step_s > 0
 
     first = client.submit({"model": MODEL, "prompt": "a", "steps": 4})
-    second = client.submit({"model": MODEL, "prompt": "b", "steps": 8, "num_images": 2})
+    client.submit({"model": MODEL, "prompt": "b", "steps": 8, "num_images": 2})
     third = client.submit({"model": MODEL, "prompt": "c", "steps": 2})
     assert first.eta() == pytest.approx(fit.eta(4))
     assert third.eta() == pytest.approx(fit.eta(4) + fit.eta(8, 2) + fit.eta(2))
