@@ -20,6 +20,14 @@ from worker.settings import Settings
 from worker.switches import apply_compile, apply_switches
 
 
+def import_pipeline_classes(manifests: list[Manifest]) -> None:
+    """Import the diffusers pipeline classes these manifests load (seconds, once per process)."""
+    import diffusers
+
+    for manifest in manifests:
+        getattr(diffusers, spec_of(manifest.family).pipeline_class)
+
+
 def choose_dtype(manifest: Manifest, info: DeviceInfo) -> tuple[torch.dtype, str]:
     """bf16 where supported, else fp16, except families that overflow in fp16; fp32 on CPU."""
     if manifest.dtype != "auto":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import structlog
@@ -36,11 +37,15 @@ def serve(
     if not servable:
         log.error("no_models", error="no servable manifests (all missing or benchmark_only)")
         return 1
-    # Heavy imports only now: torch, diffusers.
+    # Heavy imports only now, and all of them before the first job, so no job pays them.
+    started = time.perf_counter()
     from worker import device as dev
+    from worker.loading import import_pipeline_classes
     from worker.queue import RecordPublisher, make_worker, worker_connection
     from worker.render import Renderer
 
+    import_pipeline_classes([manifests[m] for m in servable])
+    imported = time.perf_counter()
     info = dev.probe(settings)
     connection = worker_connection(settings.redis_url)
     connection.ping()
@@ -49,6 +54,7 @@ def serve(
         settings, manifests, info, worker_name=name, on_record=RecordPublisher(connection)
     )
     worker = make_worker(connection, renderer, servable)
+    set_up = time.perf_counter()
     if prewarm:
         warm(renderer, servable, worker.name)
     if settings.metrics_port:
@@ -64,6 +70,11 @@ def serve(
         memory_mode=settings.memory_mode,
         free_gb=round(info.free_bytes / 1e9, 2),
         redis=redacted(settings.redis_url),
+        startup_s={
+            "import": round(imported - started, 3),
+            "setup": round(set_up - imported, 3),
+            "prewarm": round(time.perf_counter() - set_up, 3),
+        },
     )
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.WARNING))
     if worker.fatal is not None:
