@@ -30,10 +30,12 @@ from rq.worker import DequeueStrategy
 
 from api_client import keys
 from api_client.schema import RENDER_FUNC
+from worker import events as job_events
 from worker import metrics
 from worker.manifest import publish_manifests
 from worker.render import JobStopped, Renderer, requested_model
 from worker.timings import FitTracker, TimingRecord, emit
+from worker.webhooks import Dispatcher, parse_targets
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
@@ -104,8 +106,13 @@ class RQJobContext:
         )
         self._stop_key = keys.stop_key(job.id)
         self._preview: str | None = None
+        request = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
+        self.events = job_events.open_journal(job.connection, job.id, job.origin, request)
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
+        if preview and preview != self._preview:
+            self.events.preview(current_renderer().store.preview_ref(preview))
+        self.events.progress(phase, step, steps)
         # The latest preview stays in every later update until a newer one replaces it.
         self._preview = preview or self._preview
         self.job.meta["progress"] = {
@@ -137,6 +144,7 @@ def render_job(request: dict[str, Any]) -> dict[str, Any]:
         if ctx.stop_requested():
             raise JobStopped(f"job {job.id} stopped on request before it started")
         result = current_renderer().render(request, ctx)
+        ctx.events.result = result
     except ShutdownStop:
         raise
     except JobTimedOut:
@@ -275,6 +283,7 @@ class KilnWorker(SimpleWorker):
         self._last_exception: BaseException | None = None
         self._pulse: Pulse | None = None
         self._holding_job = False
+        self.webhooks = Dispatcher.from_settings(renderer.settings)
 
     # -- the work loop --------------------------------------------------------------------------
 
@@ -288,6 +297,7 @@ class KilnWorker(SimpleWorker):
             return bool(super().work(burst=burst, **kwargs))
         finally:
             self._pulse.stop()
+            self.webhooks.close()
 
     @property
     def stopping(self) -> bool:
@@ -318,7 +328,7 @@ class KilnWorker(SimpleWorker):
         finally:
             with self._running_lock:
                 self._running = None
-            self._publish_after_job()
+            self._publish_after_job(job)
 
     def prepare_execution(self, job: Job) -> Any:
         execution = super().prepare_execution(job)
@@ -434,19 +444,31 @@ class KilnWorker(SimpleWorker):
         # Workers killed without a goodbye leave their name behind; drop the long-silent ones.
         conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
 
-    def _publish_after_job(self) -> None:
+    def _publish_after_job(self, job: Job) -> None:
         record = self.renderer.last_record
         if record is not None:
             metrics.observe(record)
         key = self.fits.add(record) if record is not None else None
+        end = None
         try:
             with self.connection.pipeline() as pipe:
                 if key is not None:
                     pipe.hset(keys.FITS_KEY, keys.fit_field(*key), json.dumps(self.fits.fit(key)))
                 self.publish_state(pipe)
+                end = self._end_events(job, pipe)
                 pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("could not publish state after job: %s", exc)
+        if end is not None and end[1] is not None:
+            self.webhooks.send(end[1], end[0])
+
+    def _end_events(self, job: Job, pipe: Any) -> Any:
+        """The job's last events, in the same round trip as the state published after it."""
+        status = job.get_status(refresh=False)
+        error = (job.meta.get("error") or {}).get("message")
+        return job_events.close_journal(
+            self.connection, pipe, job.id, job.origin, str(getattr(status, "value", status)), error
+        )
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -482,6 +504,10 @@ def make_worker(
 ) -> KilnWorker:
     """A worker listening on the queues of the models it serves, with the renderer installed."""
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
+    # Names only (never URLs or secrets): clients check a request's webhook against them.
+    targets = sorted(parse_targets(renderer.settings.webhooks))
+    if targets:
+        connection.sadd(keys.WEBHOOK_TARGETS_KEY, *targets)
     # The queues carry RenderJob too: RQ's registry cleanups fetch jobs through queue.job_class,
     # and a plain Job there would import and run a payload's failure callback.
     queues = [

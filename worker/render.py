@@ -40,7 +40,9 @@ from worker.pipelines import (
     release_memory,
 )
 from worker.settings import Settings
+from worker.store import Store, open_store
 from worker.timings import Stopwatch, TimingRecord, emit
+from worker.webhooks import check_target
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,11 @@ class Renderer:
         self.last_record: TimingRecord | None = None
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
 
+    @property
+    def store(self) -> Store:
+        """Where this job's files go (KILN_OUTPUT_URL); follows a change of settings."""
+        return open_store(self.settings)
+
     def render(self, payload: Any, ctx: JobContext) -> RenderResult:
         scope = torch.profiler.record_function if self.profiling else None
         watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
@@ -120,8 +127,8 @@ class Renderer:
             record.model = request.model
             record.steps, record.width, record.height = request.steps, request.width, request.height
             record.num_images = request.num_images
-            # 2. A job whose files were completed before a crash is answered from disk.
-            done = output.finished_result(self.settings.output_dir, ctx.job_id)
+            # 2. A job whose files were completed before a crash is answered from the store.
+            done = self.store.finished_result(ctx.job_id)
             if done is not None:
                 record.status, record.cold, record.rung = "done", False, done.rung
                 return done
@@ -131,9 +138,9 @@ class Renderer:
             with watch.phase("image_encode"):
                 encoded = [output.encode_image(image, request.output_format) for image in images]
             with watch.phase("save"):
-                files = output.save_images(self.settings.output_dir, ctx.job_id, encoded)
+                files = self.store.save_images(ctx.job_id, encoded)
             result = self._result(request, ctx, loaded, record, files, watch, started_at)
-            output.write_result(self.settings.output_dir, result)
+            self.store.write_result(result)
             record.status = "done"
             return result
         except JobStopped as exc:
@@ -149,6 +156,7 @@ class Renderer:
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
+        check_target(request, self.settings)
         return resolve_request(request, check_servable(request, self.manifests))
 
     # -- the ladder -----------------------------------------------------------------------------
@@ -366,12 +374,12 @@ class Renderer:
         """Decode and save a preview; a preview that fails is logged and skipped, never fatal."""
         try:
             image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
-            path = output.save_preview(self.settings.output_dir, ctx.job_id, image)
+            uri = self.store.save_preview(ctx.job_id, image)
         except Exception as exc:
             log.warning("preview failed for job %s: %s", ctx.job_id, exc)
             return None
         record.previews += 1
-        return path
+        return uri
 
     def _result(
         self,

@@ -8,9 +8,11 @@ from typing import Any
 import structlog
 
 from api_client.manifest import Manifest
+from api_client.redact import redact
 from worker import logs
 from worker.faults import FaultPlan, InvalidFaults
 from worker.settings import Settings
+from worker.webhooks import WebhooksInvalid, parse_targets
 
 log = structlog.get_logger("kiln.worker")
 
@@ -26,7 +28,8 @@ def serve(
     logs.configure(settings.log_format)
     try:
         FaultPlan.parse(settings.faults)
-    except InvalidFaults as exc:
+        parse_targets(settings.webhooks)
+    except (InvalidFaults, WebhooksInvalid) as exc:
         log.error("invalid_settings", error=str(exc))
         return 1
     servable = sorted(m.id for m in manifests.values() if not m.benchmark_only)
@@ -98,8 +101,5 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
 
 
 def redacted(url: str) -> str:
-    """Never log a Redis password."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"
+    """Never log a Redis password (api_client.redact is the one helper)."""
+    return redact(url)
