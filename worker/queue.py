@@ -110,7 +110,7 @@ class RQJobContext:
         self.events = job_events.open_journal(job.connection, job.id, job.origin, request)
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
-        if preview and preview != self._preview:
+        if preview:  # a new preview (the uri stays the same: preview.jpg is replaced)
             self.events.preview(current_renderer().store.preview_ref(preview))
         self.events.progress(phase, step, steps)
         # The latest preview stays in every later update until a newer one replaces it.
