@@ -1,5 +1,8 @@
 """Job events in Redis Streams: one capped stream per job (with a TTL) and one capped stream per
-model queue, written by client (queued, canceled) and worker (the rest), read with XREAD BLOCK."""
+model queue, written by client (queued, canceled) and worker (the rest), read with XREAD BLOCK.
+
+The queue stream carries each job's lifecycle (queued, started, done, failed, stopped), not its
+progress or previews: following a whole queue stays cheap, and a job costs fewer commands."""
 
 from __future__ import annotations
 
@@ -17,22 +20,24 @@ QUEUE_STREAM_MAXLEN = 10_000  # about the last few thousand jobs of a model
 EVENTS_TTL_S = 7 * 24 * 3600  # as long as RQ keeps the job's result
 BLOCK_SLICE_S = 2.0  # a blocking read wakes at least this often to check the job's status
 FIELD = b"event"
+QUEUE_KINDS = ("queued", "started", "done", "failed", "stopped")
 
 
-def add_events(pipe: Any, events: list[JobEvent]) -> None:
-    """Queue XADDs for each event (job stream and its model's stream) and refresh the job
-    stream's TTL on a pipeline; the caller executes it, so a batch costs one round trip."""
+def add_events(pipe: Any, events: list[JobEvent], expire: bool = True) -> None:
+    """Queue XADDs for each event (job stream, and its model's stream for lifecycle events) and,
+    with expire, (re)set the job stream's TTL, on a pipeline the caller executes: one round trip.
+    The stream's first writer sets the TTL; XADD keeps it, so later batches may skip it."""
     for event in events:
         body = event.model_dump_json(exclude={"id"}, exclude_none=True)
         pipe.xadd(keys.events_key(event.job_id), {FIELD: body}, maxlen=JOB_STREAM_MAXLEN)
-        if event.model:
+        if event.model and event.kind in QUEUE_KINDS:
             pipe.xadd(
                 keys.queue_events_key(event.model),
                 {FIELD: body},
                 maxlen=QUEUE_STREAM_MAXLEN,
                 approximate=True,
             )
-    for job_id in {event.job_id for event in events}:
+    for job_id in {event.job_id for event in events} if expire else ():
         pipe.expire(keys.events_key(job_id), EVENTS_TTL_S)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,8 +19,9 @@ class Received:
 
 
 class HookServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, delay_s: float = 0.0) -> None:
         self.port = port or free_port()
+        self.delay_s = delay_s  # a slow receiver: each answer takes this long
         self.received: list[Received] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -30,10 +32,12 @@ class HookServer:
 
     def start(self) -> None:
         received = self.received
+        delay_s = self.delay_s
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                time.sleep(delay_s)
                 received.append(Received(self.path, dict(self.headers.items()), body))
                 self.send_response(204)
                 self.end_headers()

@@ -16,7 +16,7 @@ from api_client import events, keys
 from api_client.schema import JobEvent, PreviewRef, RenderResult
 
 log = logging.getLogger(__name__)
-PROGRESS_INTERVAL_S = 0.5  # at most ~2 flushes a second, whatever the step rate
+PROGRESS_INTERVAL_S = 1.0  # at most one flush a second, whatever the step rate
 
 
 class EventJournal:
@@ -39,6 +39,7 @@ class EventJournal:
         self._pending: list[JobEvent] = [self._event("started")]
         self._progress: JobEvent | None = None
         self._flushed_at = float("-inf")
+        self._expired = False  # whether this process has set the stream's TTL yet
 
     def _event(self, kind: Any, **fields: Any) -> JobEvent:
         return JobEvent(kind=kind, job_id=self.job_id, model=self.model, at=events.now(), **fields)
@@ -65,7 +66,11 @@ class EventJournal:
         if not batch:
             return
         try:
-            events.publish(self.conn, batch)
+            with self.conn.pipeline(transaction=False) as pipe:
+                # The client's queued event set the TTL; set it here only if it may be missing.
+                events.add_events(pipe, batch, expire=not self._expired)
+                pipe.execute()
+            self._expired = True
         except RedisError as exc:
             log.warning("job %s: %d events not written: %s", self.job_id, len(batch), exc)
 
