@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,9 +18,11 @@ class Received:
 
 
 class HookServer:
-    def __init__(self, port: int | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
-        self.delay_s = delay_s  # a slow receiver: each answer takes this long
+        # A slow receiver: while this is clear, each request waits (up to 60 s) before answering.
+        self.answering = threading.Event()
+        self.answering.set()
         self.received: list[Received] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -32,12 +33,12 @@ class HookServer:
 
     def start(self) -> None:
         received = self.received
-        delay_s = self.delay_s
+        answering = self.answering
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                time.sleep(delay_s)
+                answering.wait(60)
                 received.append(Received(self.path, dict(self.headers.items()), body))
                 self.send_response(204)
                 self.end_headers()
