@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from redis import Redis
 from redis.exceptions import RedisError
 
+from api_client.redact import redact
 from api_client.schema import SettingsReport
 from worker import device as dev
 from worker.compile import compile_available
@@ -69,6 +70,7 @@ def collect(settings: Settings, model: str | None = None) -> DoctorReport:
     info = dev.probe(settings)
     usable = usable_gb(info.free_bytes, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
     redis_line, redis_ok = _redis(settings.redis_url)
+    redis_line = redact(redis_line, settings.secrets())
     return DoctorReport(
         info=info,
         usable_gb=usable,
@@ -104,6 +106,7 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  compile       {report.compile}",
         "  torchao       " + "; ".join(f"{k}: {v}" for k, v in report.torchao.items()),
         f"  redis         {report.redis}",
+        f"  store         {_store_line(settings)}",
         "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
     ]
     if report.model is not None:
@@ -205,6 +208,16 @@ def _redis(url: str) -> tuple[str, bool]:
         return f"reachable at {url} (redis {server}, ping {ping_ms:.1f} ms)", True
     except (RedisError, OSError) as exc:
         return f"UNREACHABLE at {url}: {exc}", False
+
+
+def _store_line(settings: Settings) -> str:
+    """Where results go, and which credentials are set (never their values)."""
+    location = settings.store_location
+    if not location.startswith("s3://"):
+        return f"{location} (local directory)"
+    endpoint = settings.aws_endpoint_url or "AWS default endpoint"
+    key = "set" if settings.aws_access_key_id else "from boto3's chain"
+    return f"{location} at {endpoint}; access key {key}; URLs expire in {settings.url_expires_s} s"
 
 
 def _aotriton(info: DeviceInfo) -> str | None:

@@ -25,10 +25,13 @@ def serve(
     name: str | None,
     prewarm: bool = False,
 ) -> int:
-    logs.configure(settings.log_format)
+    logs.configure(settings.log_format, secrets=settings.secrets())
     try:
         FaultPlan.parse(settings.faults)
-        parse_targets(settings.webhooks)
+        targets = parse_targets(settings.webhooks)
+        logs.configure(
+            settings.log_format, secrets=[*settings.secrets(), *(t.secret for t in targets.values())]
+        )
     except (InvalidFaults, WebhooksInvalid) as exc:
         log.error("invalid_settings", error=str(exc))
         return 1
