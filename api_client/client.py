@@ -22,7 +22,14 @@ from api_client import events, keys
 from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.fetch import fetch_image
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
-from api_client.schema import RENDER_FUNC, ImageFile, JobEvent, Progress, RenderRequest, RenderResult
+from api_client.schema import (
+    RENDER_FUNC,
+    ImageFile,
+    JobEvent,
+    Progress,
+    RenderRequest,
+    RenderResult,
+)
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 JOB_TIMEOUT_S = 600
@@ -115,7 +122,9 @@ class KilnJob:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
-            seen = events.read(self._connection, keys.events_key(self.id), after, min(remaining, poll))
+            seen = events.read(
+                self._connection, keys.events_key(self.id), after, min(remaining, poll)
+            )
             after = seen[-1].id or after if seen else after
 
     def events(self, after: str = "0", timeout: float | None = None) -> Iterator[JobEvent]:

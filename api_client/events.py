@@ -54,7 +54,7 @@ def now() -> float:
 def read(conn: Redis, key: str, after: str, block_s: float | None) -> list[JobEvent]:
     """Events after the stream id `after` ("0" for all); blocks up to block_s when none."""
     block = None if block_s is None else max(int(block_s * 1000), 1)
-    answer = conn.xread({key: after}, count=100, block=block)
+    answer: Any = conn.xread({key: after}, count=100, block=block)
     events: list[JobEvent] = []
     for _stream, entries in answer or []:
         for entry_id, fields in entries:

@@ -10,7 +10,7 @@ WORKER_KEY_PREFIX = "kiln:worker:"  # string with TTL: worker name -> state JSON
 STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel was asked
 EVENTS_KEY_PREFIX = "kiln:events:"  # stream with TTL, capped: one job's life as JobEvents
 QUEUE_EVENTS_KEY_PREFIX = "kiln:queue-events:"  # stream, capped: every job event of one model
-WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: webhook target names workers are configured with
+WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: target names in workers' KILN_WEBHOOKS
 
 
 def queue_name(model_id: str) -> str:

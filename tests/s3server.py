@@ -89,9 +89,7 @@ class MotoServer:
                 "Version": "2012-10-17",
                 "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
             }
-            iam.put_user_policy(
-                UserName="kiln", PolicyName="s3", PolicyDocument=json.dumps(policy)
-            )
+            iam.put_user_policy(UserName="kiln", PolicyName="s3", PolicyDocument=json.dumps(policy))
             key = iam.create_access_key(UserName="kiln")["AccessKey"]
             self.access_key, self.secret_key = key["AccessKeyId"], key["SecretAccessKey"]
         self.client().create_bucket(Bucket=bucket)

@@ -10,8 +10,8 @@ from redis import Redis
 
 from api_client import keys
 from api_client.events import EVENTS_TTL_S
-from worker.events import PROGRESS_INTERVAL_S
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
+from worker.events import PROGRESS_INTERVAL_S
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 8, "seed": 2}
 
@@ -49,7 +49,9 @@ def test_wait_wakes_on_the_done_event_not_on_a_poll(redis_conn: Redis, settings:
     job = client.submit(REQUEST)
     returned: list[float] = []
     # poll=30: a loop that slept between status reads would not return for 30 s.
-    waiter = threading.Thread(target=lambda: (job.wait(timeout=60, poll=30), returned.append(time.monotonic())))
+    waiter = threading.Thread(
+        target=lambda: (job.wait(timeout=60, poll=30), returned.append(time.monotonic()))
+    )
     waiter.start()
     time.sleep(0.3)  # the waiter is blocked in XREAD by now
     burst(redis_conn, renderer, ["tiny-sd15"])

@@ -52,9 +52,9 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     # The backend: another process, with Redis only (no AWS_*, no KILN_OUTPUT_*).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KILN_"))}
     backend_dir = tmp_path / "backend"
+    argv = [sys.executable, "-m", "tests.remote_client", redis_url, "tiny-sd15"]
     backend = subprocess.Popen(
-        [sys.executable, "-m", "tests.remote_client", redis_url, "tiny-sd15", str(backend_dir)]
-        + ["studio"],
+        [*argv, str(backend_dir), "studio"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -16,7 +16,7 @@ from api_client.webhooks import WebhookInvalid, signature, verify_webhook
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
 from tests.hookserver import HookServer
 from tests.workers import free_port
-from worker.webhooks import Dispatcher, WebhookTarget, WebhooksInvalid, delivery_id, parse_targets
+from worker.webhooks import Dispatcher, WebhooksInvalid, WebhookTarget, delivery_id, parse_targets
 
 SECRET = "receiver-secret-0123456789"
 REQUEST = {"model": "tiny-sd15", "prompt": "a kite", "steps": 2, "seed": 1}
@@ -75,15 +75,11 @@ def test_a_receiver_down_for_a_while_still_gets_the_delivery_once() -> None:
     assert verify_webhook(SECRET, delivery.body, delivery.headers).job_id == "job-down"
 
 
-def test_a_slow_receiver_never_holds_up_the_next_job(
-    redis_conn: Redis, make_settings: Any
-) -> None:
+def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_settings: Any) -> None:
     hooks = HookServer()
     hooks.answering.clear()  # the receiver takes each request and sits on it
     hooks.start()
-    settings = make_settings(
-        webhooks=json.dumps({"studio": {"url": hooks.url, "secret": SECRET}})
-    )
+    settings = make_settings(webhooks=json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}))
     client = client_for(redis_conn, settings)
     renderer = make_renderer(settings, ["tiny-sd15"])
     burst(redis_conn, renderer, ["tiny-sd15"])  # publishes the target name
@@ -114,14 +110,14 @@ def test_unknown_targets_are_rejected_at_submit_and_by_the_worker(
         webhooks=json.dumps({"studio": {"url": "http://127.0.0.1:9/x", "secret": SECRET}})
     )
     client = client_for(redis_conn, settings)
-    with pytest.raises(RequestRejected, match="webhook='studio': unknown webhook target; .* none"):
+    with pytest.raises(RequestRejected, match=r"webhook='studio': unknown webhook target; .* none"):
         client.submit({**REQUEST, "webhook": "studio"})  # no worker has published it yet
     renderer = make_renderer(settings, ["tiny-sd15"])
     burst(redis_conn, renderer, ["tiny-sd15"])
     assert client.webhook_targets() == {"studio"}
-    with pytest.raises(RequestRejected, match="webhook='nope': unknown webhook target; .*studio"):
+    with pytest.raises(RequestRejected, match=r"webhook='nope': unknown webhook target; .*studio"):
         client.submit({**REQUEST, "webhook": "nope"})
-    with pytest.raises(RequestRejected, match="webhook=.*never carry a URL"):
+    with pytest.raises(RequestRejected, match=r"webhook=.*never carry a URL"):
         client.submit({**REQUEST, "webhook": "https://attacker.example/hook"})
     assert redis_conn.llen("rq:queue:kiln:tiny-sd15") == 0
     # A producer that skips the client: the worker refuses it too, naming the target.
@@ -133,10 +129,10 @@ def test_unknown_targets_are_rejected_at_submit_and_by_the_worker(
 
 def test_bad_webhook_configuration_is_named_without_its_secret() -> None:
     short = json.dumps({"studio": {"url": "http://h/x", "secret": "tooshort"}})
-    with pytest.raises(WebhooksInvalid, match="target 'studio': secret: .*16") as caught:
+    with pytest.raises(WebhooksInvalid, match=r"target 'studio': secret: .*16") as caught:
         parse_targets(short)
     assert "tooshort" not in str(caught.value)
-    with pytest.raises(WebhooksInvalid, match="target 'ftp': url: .*http"):
+    with pytest.raises(WebhooksInvalid, match=r"target 'ftp': url: .*http"):
         parse_targets(json.dumps({"ftp": {"url": "ftp://h/x", "secret": SECRET}}))
     with pytest.raises(WebhooksInvalid, match="not valid JSON"):
         parse_targets("{nope")

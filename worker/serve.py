@@ -30,7 +30,8 @@ def serve(
         FaultPlan.parse(settings.faults)
         targets = parse_targets(settings.webhooks)
         logs.configure(
-            settings.log_format, secrets=[*settings.secrets(), *(t.secret for t in targets.values())]
+            settings.log_format,
+            secrets=[*settings.secrets(), *(t.secret for t in targets.values())],
         )
     except (InvalidFaults, WebhooksInvalid) as exc:
         log.error("invalid_settings", error=str(exc))

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     )
     webhooks: str = Field(
         "",
-        description='Webhook targets: JSON {"name": {"url": ..., "secret": ...}} or a JSON file path',
+        description='Webhook targets: JSON {"name": {"url", "secret"}} or a JSON file path',
     )
     webhook_attempts: int = Field(10, ge=1, description="Tries per webhook delivery")
     webhook_backoff_s: float = Field(

@@ -184,7 +184,9 @@ class S3Store:
 
     def _put(self, key: str, data: bytes, content_type: str) -> None:
         try:
-            self._client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
+            self._client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ContentType=content_type
+            )
         except Exception as exc:
             raise self._error("put", key, exc) from None
 

@@ -89,7 +89,8 @@ def parse_targets(raw: str) -> dict[str, WebhookTarget]:
         except ValidationError as exc:
             # Each error names the field and rule; the input (maybe the secret) is left out.
             rules = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'target'}: {e['msg']}" for e in exc.errors()
+                f"{'.'.join(str(p) for p in e['loc']) or 'target'}: {e['msg']}"
+                for e in exc.errors()
             )
             raise WebhooksInvalid(f"KILN_WEBHOOKS target {name!r}: {rules}") from None
     return targets
@@ -227,7 +228,7 @@ class Dispatcher:
             },
         )
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:  # noqa: S310
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
                 response.read()
             self.delivered = [*self.delivered[-99:], delivery.id]
             return None
@@ -240,13 +241,21 @@ class Dispatcher:
         if permanent or delivery.attempts >= self.attempts:
             log.error(
                 "webhook %s to %s given up after %d tries: %s",
-                delivery.id, where, delivery.attempts, reason,
+                delivery.id,
+                where,
+                delivery.attempts,
+                reason,
             )
             return None
         delay = min(self.backoff_s * 2 ** (delivery.attempts - 1), BACKOFF_CAP_S)
         log.warning(
             "webhook %s to %s failed (%s); try %d of %d in %.1f s",
-            delivery.id, where, reason, delivery.attempts + 1, self.attempts, delay,
+            delivery.id,
+            where,
+            reason,
+            delivery.attempts + 1,
+            self.attempts,
+            delay,
         )
         delivery.due = time.monotonic() + delay
         return delivery
