@@ -19,6 +19,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from api_client import events, keys
+from api_client.connection import connect
 from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.fetch import fetch_image
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
@@ -188,7 +189,7 @@ class KilnClient:
         connection: Redis | None = None,
         manifests_dir: str | Path | None = None,
     ) -> None:
-        self.connection = connection if connection is not None else Redis.from_url(url)
+        self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
 
     @classmethod

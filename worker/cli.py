@@ -252,8 +252,7 @@ def _manifests_check(args: argparse.Namespace) -> int:
 
 
 def _manifests_publish(args: argparse.Namespace) -> int:
-    from redis import Redis
-
+    from api_client.connection import connect
     from worker.manifest import ManifestsInvalid, load_manifests, publish_manifests
 
     settings = _settings()
@@ -262,7 +261,7 @@ def _manifests_publish(args: argparse.Namespace) -> int:
     except ManifestsInvalid as exc:
         print(f"kiln manifests publish: not publishing invalid manifests:\n{exc}", file=sys.stderr)
         return 1
-    publish_manifests(Redis.from_url(settings.redis_url), manifests)
+    publish_manifests(connect(settings.redis_url), manifests)
     from api_client.redact import redact
 
     print(

@@ -8,9 +8,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from redis import Redis
 from redis.exceptions import RedisError
 
+from api_client.connection import connect
 from api_client.redact import redact
 from api_client.schema import SettingsReport
 from worker import device as dev
@@ -200,7 +200,7 @@ def _torchao(info: DeviceInfo) -> dict[str, str]:
 
 def _redis(url: str) -> tuple[str, bool]:
     try:
-        conn = Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        conn = connect(url, socket_connect_timeout=2, socket_timeout=2)
         started = time.perf_counter()
         conn.ping()
         ping_ms = (time.perf_counter() - started) * 1000

@@ -29,6 +29,7 @@ from rq.timeouts import UnixSignalDeathPenalty
 from rq.worker import DequeueStrategy
 
 from api_client import keys
+from api_client.connection import connect
 from api_client.schema import RENDER_FUNC
 from worker import events as job_events
 from worker import metrics
@@ -85,7 +86,7 @@ def worker_connection(url: str) -> Redis:
     the first error it does not expect, so a restart would otherwise take the worker down.
     """
     retry = RedisRetry(ExponentialBackoff(cap=2.0, base=0.1), retries=35)
-    return Redis.from_url(
+    return connect(
         url,
         retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_client.manifest import Switch, SwitchName
+from api_client.redact import redact
 
 MemoryMode = Literal["auto", "full", "model_offload", "group_offload"]
 SWITCH_NAMES: tuple[SwitchName, ...] = get_args(SwitchName)
@@ -22,7 +23,8 @@ class Settings(BaseSettings):
     )
 
     redis_url: str = Field(
-        "redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL"
+        "redis://localhost:6379/0",
+        description="redis://, rediss://, unix:// or redis+sentinel://HOSTS/SERVICE[/db] URL",
     )
     manifests: Path = Field(Path("manifests"), description="Directory of <model id>.yaml manifests")
     models_dir: Path = Field(
@@ -92,8 +94,11 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"must start with redis://, rediss:// or unix://, got {url!r}")
+        if not url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
+            raise ValueError(
+                "must start with redis://, rediss://, unix:// or redis+sentinel://, "
+                f"got {redact(url)!r}"
+            )
         return url
 
     @property
