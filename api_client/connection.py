@@ -14,8 +14,13 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 SENTINEL_SCHEMES = ("redis+sentinel://",)
+FAILOVER_RETRIES = 30  # about 25 s of retries at the 1 s cap
 
 
 def connect(url: str, **options: Any) -> Redis:
@@ -25,6 +30,11 @@ def connect(url: str, **options: Any) -> Redis:
     from redis.sentinel import Sentinel
 
     service, db, hosts, auth, sentinel_auth = parse_sentinel_url(url)
+    if "retry" not in options:
+        # Ride out a failover (sentinels notice in down-after-milliseconds, then elect): each
+        # retry reconnects, and a reconnect asks the sentinels for the master again.
+        options["retry"] = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=FAILOVER_RETRIES)
+        options["retry_on_error"] = [RedisConnectionError, RedisTimeoutError]
     sentinel = Sentinel(
         hosts, sentinel_kwargs=sentinel_auth, socket_timeout=options.get("socket_timeout", 5.0)
     )

@@ -29,9 +29,7 @@ def test_sentinel_urls_parse_hosts_service_db_and_auth() -> None:
 
 
 @pytest.mark.slow
-def test_client_and_worker_ride_a_sentinel_failover(
-    tmp_path: Path, make_settings: Any
-) -> None:
+def test_client_and_worker_ride_a_sentinel_failover(tmp_path: Path, make_settings: Any) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     master = RedisServer(tmp_path / "a")
