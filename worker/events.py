@@ -39,7 +39,6 @@ class EventJournal:
         self._pending: list[JobEvent] = [self._event("started")]
         self._progress: JobEvent | None = None
         self._flushed_at = float("-inf")
-        self._expired = False  # whether this process has set the stream's TTL yet
 
     def _event(self, kind: Any, **fields: Any) -> JobEvent:
         return JobEvent(kind=kind, job_id=self.job_id, model=self.model, at=events.now(), **fields)
@@ -67,10 +66,9 @@ class EventJournal:
             return
         try:
             with self.conn.pipeline(transaction=False) as pipe:
-                # The client's queued event set the TTL; set it here only if it may be missing.
-                events.add_events(pipe, batch, expire=not self._expired)
+                # The client's queued event set the TTL, and finish() sets it again: no EXPIRE.
+                events.add_events(pipe, batch, expire=False)
                 pipe.execute()
-            self._expired = True
         except RedisError as exc:
             log.warning("job %s: %d events not written: %s", self.job_id, len(batch), exc)
 
