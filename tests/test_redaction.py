@@ -45,3 +45,16 @@ def test_log_records_and_structlog_events_are_redacted() -> None:
     assert event["error"] == "failed with key ***"
     signed = "https://s3/b/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abcdef&x=1"
     assert redact(signed) == "https://s3/b/k?X-Amz-Credential=***&X-Amz-Signature=***&x=1"
+
+
+def test_a_worker_refuses_to_start_on_a_bad_store_or_webhooks_naming_it(
+    kiln_env: dict[str, str],
+) -> None:
+    bad_store = kiln("worker", "--burst", env={**kiln_env, "KILN_OUTPUT_URL": "s3://"})
+    assert bad_store.returncode == 1
+    assert "KILN_OUTPUT_URL 's3://' is not s3://bucket[/prefix]" in bad_store.stdout
+    hooks = '{"studio": {"url": "http://h/x", "secret": "short-secret"}}'
+    bad_hooks = kiln("worker", "--burst", env={**kiln_env, "KILN_WEBHOOKS": hooks})
+    assert bad_hooks.returncode == 1
+    assert "KILN_WEBHOOKS target 'studio': secret" in bad_hooks.stdout
+    assert "short-secret" not in bad_hooks.stdout + bad_hooks.stderr

@@ -12,6 +12,7 @@ from api_client.redact import redact
 from worker import logs
 from worker.faults import FaultPlan, InvalidFaults
 from worker.settings import Settings
+from worker.store import StoreError, open_store
 from worker.webhooks import WebhooksInvalid, parse_targets
 
 log = structlog.get_logger("kiln.worker")
@@ -28,12 +29,13 @@ def serve(
     logs.configure(settings.log_format, secrets=settings.secrets())
     try:
         FaultPlan.parse(settings.faults)
+        open_store(settings)  # a malformed KILN_OUTPUT_URL stops the worker here, not per job
         targets = parse_targets(settings.webhooks)
         logs.configure(
             settings.log_format,
             secrets=[*settings.secrets(), *(t.secret for t in targets.values())],
         )
-    except (InvalidFaults, WebhooksInvalid) as exc:
+    except (InvalidFaults, WebhooksInvalid, StoreError) as exc:
         log.error("invalid_settings", error=str(exc))
         return 1
     servable = sorted(m.id for m in manifests.values() if not m.benchmark_only)
