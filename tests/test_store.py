@@ -99,10 +99,10 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     event = verify_webhook(SECRET, delivery.body, delivery.headers)
     assert event.kind == "done" and event.job_id == job_id and event.result is not None
     assert delivery.headers["Kiln-Event"] == "done" and delivery.headers["Kiln-Delivery"]
-    if os.environ.get("KILN_SHOW_WEBHOOK"):
-        print("\nPOST", delivery.path)
-        print("\n".join(f"{k}: {v}" for k, v in delivery.headers.items()))
-        print(delivery.body.decode())
+    if os.environ.get("KILN_SHOW_WEBHOOK"):  # a directory: keep this delivery to show it
+        shown = Path(os.environ["KILN_SHOW_WEBHOOK"])
+        (shown / "headers.json").write_text(json.dumps(delivery.headers, indent=1))
+        (shown / "body.json").write_bytes(delivery.body)
 
 
 def test_s3_results_are_answered_from_the_store_with_fresh_urls(
