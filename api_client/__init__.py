@@ -9,10 +9,23 @@ from api_client.errors import (
     RequestRejected,
     UnknownJob,
 )
+from api_client.fetch import FetchFailed
 from api_client.manifest import Manifest, ManifestInvalid
-from api_client.schema import Progress, RenderRequest, RenderResult, TimingFit, WorkerState
+from api_client.schema import (
+    ImageFile,
+    JobEvent,
+    Progress,
+    RenderRequest,
+    RenderResult,
+    TimingFit,
+    WorkerState,
+)
+from api_client.webhooks import WebhookInvalid, verify_webhook
 
 __all__ = [
+    "FetchFailed",
+    "ImageFile",
+    "JobEvent",
     "JobTimeout",
     "KilnClient",
     "KilnError",
@@ -28,5 +41,7 @@ __all__ = [
     "RequestRejected",
     "TimingFit",
     "UnknownJob",
+    "WebhookInvalid",
     "WorkerState",
+    "verify_webhook",
 ]

@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,17 @@ from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from api_client import keys
-from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client import events, keys
+from api_client.connection import connect
+from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.eta import job_eta, live_workers
+from api_client.fetch import fetch_image
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
 from api_client.schema import (
     RENDER_FUNC,
+    ImageFile,
     JobError,
+    JobEvent,
     Progress,
     RenderRequest,
     RenderResult,
@@ -94,16 +99,48 @@ class KilnJob:
             raise RenderFailed(self.id, message or str(status.value), status=str(status.value))
         return None
 
-    def wait(self, timeout: float = 600.0, poll: float = 0.1) -> RenderResult:
-        """Block until the job ends; return its result or raise RenderFailed / JobTimeout."""
+    def wait(self, timeout: float = 600.0, poll: float = events.BLOCK_SLICE_S) -> RenderResult:
+        """Block until the job ends; return its result or raise RenderFailed / JobTimeout.
+
+        Sleeps in XREAD BLOCK on the job's event stream, so it wakes when the worker writes the
+        job's end; it also reads the job's status at least every `poll` seconds, for jobs that
+        end without an event (a job failed by RQ after its worker died).
+        """
         deadline = time.monotonic() + timeout
+        after = "0"
         while True:
             result = self._outcome(self._fetch())
             if result is not None:
                 return result
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
-            time.sleep(poll)
+            seen = events.read(
+                self._connection, keys.events_key(self.id), after, min(remaining, poll)
+            )
+            after = seen[-1].id or after if seen else after
+
+    def events(self, after: str = "0", timeout: float | None = None) -> Iterator[JobEvent]:
+        """The job's events (queued, started, progress, preview, done/failed/stopped) as they come,
+        ending after the terminal one or after timeout seconds. Pass the last event's id as
+        `after` to resume where an earlier iteration stopped."""
+        return events.follow(self._connection, keys.events_key(self.id), after, timeout)
+
+    def download(self, directory: str | Path, timeout: float = 600.0) -> list[Path]:
+        """Wait for the result, fetch every image (sha256 checked) into directory as
+        <job id>-<n>.<ext>, and return the paths. Works for local and S3 stores, from any host."""
+        result = self.wait(timeout=timeout)
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        paths: list[Path] = []
+        for index, image in enumerate(result.images):
+            extension = {"jpeg": "jpg"}.get(image.format, image.format)
+            path = target / f"{self.id}-{index}.{extension}"
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(fetch_image(image))
+            os.replace(tmp, path)
+            paths.append(path)
+        return paths
 
     def eta(self) -> float | None:
         """Seconds until the result is expected, counting the jobs ahead of it in its queue and
@@ -123,6 +160,11 @@ class KilnJob:
         if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
             with contextlib.suppress(InvalidJobOperation):  # cancelled twice: already done
                 job.cancel()
+            model = job.origin.removeprefix(keys.QUEUE_PREFIX) if job.origin else None
+            stopped = JobEvent(
+                kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
+            )
+            events.publish(self._connection, [stopped])
         return str(status.value)
 
 
@@ -144,7 +186,7 @@ class KilnClient:
         connection: Redis | None = None,
         manifests_dir: str | Path | None = None,
     ) -> None:
-        self.connection = connection if connection is not None else Redis.from_url(url)
+        self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
 
     @classmethod
@@ -170,7 +212,29 @@ class KilnClient:
         """The request with defaults filled in, or RequestRejected naming every broken rule."""
         parsed = RenderRequest.parse(request)
         manifest = check_servable(parsed, self.manifests())
-        return resolve_request(parsed, manifest)
+        resolved = resolve_request(parsed, manifest)
+        if resolved.webhook is not None and resolved.webhook not in self.webhook_targets():
+            known = ", ".join(sorted(self.webhook_targets())) or "none published"
+            rule = f"unknown webhook target; workers are configured with: {known}"
+            raise RequestRejected([Problem("webhook", resolved.webhook, rule)], model=parsed.model)
+        return resolved
+
+    def webhook_targets(self) -> set[str]:
+        """Names of the webhook targets workers published (their URLs and secrets stay there)."""
+        return {_text(name) for name in self.connection.smembers(keys.WEBHOOK_TARGETS_KEY)}
+
+    def fetch(self, image: ImageFile) -> bytes:
+        """One image's bytes from the local dir or S3, from any host; its sha256 is checked."""
+        return fetch_image(image)
+
+    def queue_events(
+        self, model: str, after: str = "$", timeout: float | None = None
+    ) -> Iterator[JobEvent]:
+        """Every job event of one model's queue, from one place: after="$" for new ones only,
+        "0" for all that the capped stream still holds, or an event id to resume."""
+        return events.follow(
+            self.connection, keys.queue_events_key(model), after, timeout, until_terminal=False
+        )
 
     def submit(
         self,
@@ -187,7 +251,7 @@ class KilnClient:
         )
         job_id = job_id or uuid.uuid4().hex
         # Already submitted: idempotent, hand back the same job.
-        with contextlib.suppress(DuplicateJobError):
+        try:
             queue.enqueue_call(
                 RENDER_FUNC,
                 kwargs={"request": resolved.model_dump(mode="json")},
@@ -200,6 +264,10 @@ class KilnClient:
                 failure_ttl=RESULT_TTL_S,
                 description=f"{resolved.model}: {resolved.prompt[:60]}",
             )
+        except DuplicateJobError:
+            return KilnJob(job_id, self.connection)
+        queued = JobEvent(kind="queued", job_id=job_id, model=resolved.model, at=events.now())
+        events.publish(self.connection, [queued])
         return KilnJob(job_id, self.connection)
 
     def job(self, job_id: str) -> KilnJob:

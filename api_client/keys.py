@@ -8,6 +8,9 @@ FITS_KEY = "kiln:fits"  # hash: "<model>:<w>x<h>" -> timing fit JSON
 WORKERS_KEY = "kiln:workers"  # sorted set: worker name -> last heartbeat (unix s)
 WORKER_KEY_PREFIX = "kiln:worker:"  # string with TTL: worker name -> state JSON
 STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel was asked
+EVENTS_KEY_PREFIX = "kiln:events:"  # stream with TTL, capped: one job's life as JobEvents
+QUEUE_EVENTS_KEY_PREFIX = "kiln:queue-events:"  # stream, capped: every job event of one model
+WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: target names in workers' KILN_WEBHOOKS
 
 
 def queue_name(model_id: str) -> str:
@@ -24,3 +27,11 @@ def worker_key(name: str) -> str:
 
 def fit_field(model_id: str, width: int, height: int) -> str:
     return f"{model_id}:{width}x{height}"
+
+
+def events_key(job_id: str) -> str:
+    return f"{EVENTS_KEY_PREFIX}{job_id}"
+
+
+def queue_events_key(model_id: str) -> str:
+    return f"{QUEUE_EVENTS_KEY_PREFIX}{model_id}"

@@ -3,10 +3,12 @@ the request and result, job progress and errors, worker state and timing fits (n
 
 from __future__ import annotations
 
+import base64
+import re
 from datetime import datetime
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api_client.errors import Problem, RequestRejected
 
@@ -30,6 +32,7 @@ MAX_IMAGES = 4
 # The function name every kiln job carries. Workers check it and run kiln's render; they never
 # import or call what a payload names, so this is a label on the wire, not a code path.
 RENDER_FUNC = "worker.queue.render_job"
+WEBHOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class RenderRequest(BaseModel):
@@ -50,6 +53,17 @@ class RenderRequest(BaseModel):
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
     # taesd weights); off by default: nobody watching, nothing drawn.
     previews: bool = False
+    webhook: str | None = None  # the name of a target in the workers' KILN_WEBHOOKS, never a URL
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook_is_a_name(cls, name: str | None) -> str | None:
+        if name is not None and not WEBHOOK_NAME.fullmatch(name):
+            raise ValueError(
+                "must name a webhook target the workers are configured with "
+                "(1-64 letters, digits, '.', '_' or '-'), never carry a URL"
+            )
+        return name
 
     @classmethod
     def parse(cls, payload: Any) -> RenderRequest:
@@ -83,7 +97,12 @@ def _short(value: Any, limit: int = 80) -> Any:
 
 
 class ImageFile(BaseModel):
-    path: str
+    """One image of a result. uri says where it lives in the store (file:// or s3://); url is a
+    presigned HTTPS link for S3 stores, valid KILN_URL_EXPIRES_S; path only for local stores."""
+
+    path: str | None = None
+    uri: str | None = None
+    url: str | None = None
     width: int
     height: int
     format: OutputFormat
@@ -159,7 +178,7 @@ class Progress(BaseModel):
     phase: str
     step: int = 0
     steps: int = 0
-    preview: str | None = None  # path of the latest TAESD preview image, when previews are on
+    preview: str | None = None  # store uri of the latest TAESD preview, when previews are on
 
 
 class JobError(BaseModel):
@@ -193,3 +212,44 @@ class TimingFit(BaseModel):
 
     def eta(self, steps: int, num_images: int = 1) -> float:
         return num_images * (self.fixed_s + steps * self.per_step_s)
+
+
+EventKind = Literal["queued", "started", "progress", "preview", "done", "failed", "stopped"]
+TERMINAL_EVENTS: tuple[str, ...] = ("done", "failed", "stopped")
+
+
+class PreviewRef(BaseModel):
+    """A denoising preview as it travels in events: its store uri, a presigned url for S3
+    stores, and the JPEG itself (base64) when it is small enough to ride along."""
+
+    uri: str
+    url: str | None = None
+    data: str | None = None
+
+    def jpeg(self) -> bytes | None:
+        return None if self.data is None else base64.b64decode(self.data)
+
+
+class JobEvent(BaseModel):
+    """One moment of a job's life, as stored in its Redis stream and sent to webhooks.
+
+    progress carries phase/step/steps; preview a PreviewRef; done the result; failed and stopped
+    the worker's message in error. id is the stream entry id, set when read, for resuming.
+    """
+
+    kind: EventKind
+    job_id: str
+    model: str | None = None
+    at: float
+    id: str | None = None
+    phase: str | None = None
+    step: int | None = None
+    steps: int | None = None
+    preview: PreviewRef | None = None
+    result: RenderResult | None = None
+    error: str | None = None
+    detail: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL_EVENTS

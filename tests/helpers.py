@@ -16,15 +16,13 @@ from worker.settings import Settings
 from worker.timings import TimingRecord, read_records
 
 
-def make_renderer(
-    settings: Settings, models: list[str] | None = None, conn: Redis | None = None
-) -> Renderer:
-    """A renderer as `kiln worker` builds one; with conn, its records publish timing fits."""
+def make_renderer(settings: Settings, models: list[str] | None = None) -> Renderer:
+    """A renderer as `kiln worker` builds one: its records publish timing fits and metrics."""
     return Renderer(
         settings,
         load_manifests(settings.manifests, models),
         worker_name=f"test-{uuid.uuid4().hex[:8]}",
-        on_record=RecordPublisher(conn) if conn is not None else None,
+        on_record=RecordPublisher(),
     )
 
 

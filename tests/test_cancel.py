@@ -79,3 +79,6 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
     assert steps == sorted(steps)
     assert [r.status for r in records(slow_settings.timings_log)] == ["stopped", "done"]
     assert after.wait(timeout=1).steps == 2
+    # Its event stream ends the same way, with the worker's message.
+    [*_, end] = job.events(timeout=5)
+    assert end.kind == "stopped" and "stopped at step" in (end.error or "")

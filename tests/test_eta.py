@@ -48,7 +48,7 @@ def test_job_eta_counts_the_jobs_ahead_with_their_fits(redis_conn: Redis, settin
     client = client_for(redis_conn, settings)
     for steps in (2, 2, 6, 4, 6):  # the first is cold and not fitted
         client.submit({"model": MODEL, "prompt": "fit", "steps": steps, "seed": steps})
-    renderer = make_renderer(settings, [MODEL], redis_conn)
+    renderer = make_renderer(settings, [MODEL])
     burst(redis_conn, renderer, [MODEL])
     [info] = [i for i in client.models() if i.manifest.id == MODEL]
     fit = info.fits[(128, 128)]

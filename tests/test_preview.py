@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -29,8 +28,9 @@ def test_previews_reach_the_client_and_leave_the_image_unchanged(
 
     progress = job.progress()
     assert progress is not None and progress.preview is not None
-    preview = Path(progress.preview)
-    assert preview == (settings.output_dir / job.id / "preview.jpg").resolve()
+    # A store uri, never a bare worker-local path: file:// for a local store.
+    preview = (settings.output_dir / job.id / "preview.jpg").resolve()
+    assert progress.preview == preview.as_uri()
     with Image.open(preview) as image:
         assert image.format == "JPEG" and image.size == (128, 128)
     [record] = records(settings.timings_log)

@@ -109,7 +109,7 @@ def test_worker_publishes_manifests_fits_and_state(redis_conn: Redis, settings: 
     client = client_for(redis_conn, settings)
     for seed in range(3):
         client.submit({"model": "tiny-sd15", "prompt": "fit", "steps": 4, "seed": seed})
-    burst(redis_conn, make_renderer(settings, ["tiny-sd15"], redis_conn), ["tiny-sd15"])
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     [info] = [i for i in client.models() if i.manifest.id == "tiny-sd15"]
     fit = info.fits[(128, 128)]
     assert fit.samples == 2  # the cold first job is not averaged in

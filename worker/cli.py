@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         # redis is imported by the verbs that talk to it, never up front (kiln --help stays light).
         redis_errors = sys.modules.get("redis.exceptions")
         if redis_errors is not None and isinstance(exc, redis_errors.ConnectionError):
-            from worker.serve import redacted
+            from api_client.redact import redact
 
-            url = redacted(_settings().redis_url)
-            print(f"kiln {args.verb}: cannot reach Redis at {url}: {exc}", file=sys.stderr)
+            settings = _settings()
+            message = f"cannot reach Redis at {settings.redis_url}: {exc}"
+            print(f"kiln {args.verb}: {redact(message, settings.secrets())}", file=sys.stderr)
             return 1
         pydantic = sys.modules.get("pydantic")
         if pydantic is not None and isinstance(exc, pydantic.ValidationError):
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="draw TAESD previews while denoising (models whose manifest names taesd)",
     )
+    submit.add_argument("--webhook", help="a webhook target named in the workers' KILN_WEBHOOKS")
     submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
     submit.add_argument(
         "--front", action="store_true", help="put the job at the front of its queue"
@@ -266,8 +268,7 @@ def _manifests_check(args: argparse.Namespace) -> int:
 
 
 def _manifests_publish(args: argparse.Namespace) -> int:
-    from redis import Redis
-
+    from api_client.connection import connect
     from worker.errors import ManifestDirectoryInvalid
     from worker.manifest import load_manifests, publish_manifests
 
@@ -277,9 +278,11 @@ def _manifests_publish(args: argparse.Namespace) -> int:
     except ManifestDirectoryInvalid as exc:
         print(f"kiln manifests publish: not publishing invalid manifests:\n{exc}", file=sys.stderr)
         return 1
-    publish_manifests(Redis.from_url(settings.redis_url), manifests)
+    publish_manifests(connect(settings.redis_url), manifests)
+    from api_client.redact import redact
+
     print(
-        f"published {len(manifests)} manifests to {settings.redis_url}: "
+        f"published {len(manifests)} manifests to {redact(settings.redis_url)}: "
         f"{', '.join(sorted(manifests))}"
     )
     return 0

@@ -55,7 +55,7 @@ def print_result(result: RenderResult) -> None:
         f"{result.steps} steps  guidance {result.guidance}  {result.width}x{result.height}"
     )
     for image in result.images:
-        out.print(f"  {image.path}  sha256 {image.sha256[:16]}")
+        out.print(f"  {image.path or image.uri}  sha256 {image.sha256[:16]}")
     out.print(
         f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
         f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}"

@@ -8,9 +8,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from redis import Redis
 from redis.exceptions import RedisError
 
+from api_client.connection import connect
+from api_client.redact import redact
 from api_client.schema import Attempt, Rung, SettingsReport
 from worker import device as dev
 from worker.compile import compile_available
@@ -71,6 +72,7 @@ def collect(settings: Settings, model: str | None = None) -> DoctorReport:
     info = dev.probe(settings)
     usable = usable_gb(info.free_bytes, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
     redis_line, redis_ok = _redis(settings.redis_url)
+    redis_line = redact(redis_line, settings.secrets())
     return DoctorReport(
         info=info,
         usable_gb=usable,
@@ -106,6 +108,7 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  compile       {report.compile}",
         "  torchao       " + "; ".join(f"{k}: {v}" for k, v in report.torchao.items()),
         f"  redis         {report.redis}",
+        f"  store         {_store_line(settings)}",
         "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
     ]
     if report.model is not None:
@@ -199,7 +202,7 @@ def _torchao(info: DeviceInfo) -> dict[str, str]:
 
 def _redis(url: str) -> tuple[str, bool]:
     try:
-        conn = Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        conn = connect(url, socket_connect_timeout=2, socket_timeout=2)
         started = time.perf_counter()
         conn.ping()
         ping_ms = (time.perf_counter() - started) * 1000
@@ -207,6 +210,16 @@ def _redis(url: str) -> tuple[str, bool]:
         return f"reachable at {url} (redis {server}, ping {ping_ms:.1f} ms)", True
     except (RedisError, OSError) as exc:
         return f"UNREACHABLE at {url}: {exc}", False
+
+
+def _store_line(settings: Settings) -> str:
+    """Where results go, and which credentials are set (never their values)."""
+    location = settings.store_location
+    if not location.startswith("s3://"):
+        return f"{location} (local directory)"
+    endpoint = settings.aws_endpoint_url or "AWS default endpoint"
+    key = "set" if settings.aws_access_key_id else "from boto3's chain"
+    return f"{location} at {endpoint}; access key {key}; URLs expire in {settings.url_expires_s} s"
 
 
 def _aotriton(info: DeviceInfo) -> str | None:

@@ -7,7 +7,6 @@ fault-injected and retried on its own."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,13 +14,13 @@ from PIL import Image
 
 from api_client.schema import RenderRequest
 from worker import device as dev
-from worker import output
 from worker.context import JobContext
 from worker.device import DeviceInfo
 from worker.errors import JobStopped
 from worker.families import decode_preview, spec_of
 from worker.faults import FaultPlan
 from worker.resident import LoadedPipeline
+from worker.store import Store
 from worker.switches import preview_steps
 from worker.timings import Stopwatch, TimingRecord
 
@@ -38,7 +37,7 @@ def generate(
     *,
     info: DeviceInfo,
     faults: FaultPlan,
-    output_dir: Path,
+    store: Store,
 ) -> list[Image.Image]:
     pipe, rung = loaded.pipe, loaded.rung
     family = spec_of(loaded.manifest.family)
@@ -64,7 +63,7 @@ def generate(
     def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         preview = None
         if step + 1 in previews:
-            preview = _preview(loaded, tensors["latents"], ctx, record, output_dir)
+            preview = _preview(loaded, tensors["latents"], ctx, record, store)
         ctx.progress("denoise", step + 1, steps, preview)
         if ctx.stop_requested():
             raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
@@ -100,14 +99,14 @@ def _preview(
     latents: torch.Tensor,
     ctx: JobContext,
     record: TimingRecord,
-    output_dir: Path,
+    store: Store,
 ) -> str | None:
-    """Decode and save a preview; a preview that fails is logged and skipped, never fatal."""
+    """Decode and store a preview (its uri); one that fails is logged and skipped, never fatal."""
     try:
         image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
-        path = output.save_preview(output_dir, ctx.job_id, image)
+        uri = store.save_preview(ctx.job_id, image)
     except Exception as exc:
         log.warning("preview failed for job %s: %s", ctx.job_id, exc)
         return None
     record.previews += 1
-    return path
+    return uri

@@ -14,7 +14,9 @@ from rq.job import Job
 
 from api_client import keys
 from api_client.schema import RENDER_FUNC, JobError, Progress
+from worker import events as job_events
 from worker.errors import JobStopped, RefusedJob, ShutdownStop
+from worker.store import Store
 
 # A progress bar needs a few updates a second, not one Redis write per denoising step.
 PROGRESS_INTERVAL_S = 0.25
@@ -95,7 +97,11 @@ class RQJobContext:
     job's stop key, `shutdown_now` on a second shutdown signal."""
 
     def __init__(
-        self, job: RenderJob, shutdown_now: threading.Event, cancelled: threading.Event
+        self,
+        job: RenderJob,
+        shutdown_now: threading.Event,
+        cancelled: threading.Event,
+        store: Store,
     ) -> None:
         self.job = job
         self.job_id: str = job.id
@@ -105,6 +111,8 @@ class RQJobContext:
             max((_aware(started) - _aware(enqueued)).total_seconds(), 0.0) if enqueued else 0.0
         )
         self.payload = _request_of(job)
+        self.events = job_events.open_journal(job.connection, job.id, job.origin, self.payload)
+        self._store = store
         self._shutdown_now = shutdown_now
         self._cancelled = cancelled
         self._preview: str | None = None
@@ -120,6 +128,9 @@ class RQJobContext:
             raise JobStopped(f"job {self.job_id} stopped on request before it started")
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:
+        if preview:  # a new preview (the uri stays the same: preview.jpg is replaced)
+            self.events.preview(self._store.preview_ref(preview))
+        self.events.progress(phase, step, steps)
         # The latest preview stays in every later update until a newer one replaces it.
         self._preview = preview or self._preview
         now = time.monotonic()

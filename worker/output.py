@@ -35,6 +35,16 @@ def encode_image(image: Image.Image, fmt: OutputFormat) -> EncodedImage:
     return EncodedImage(data, image.width, image.height, fmt, hashlib.sha256(data).hexdigest())
 
 
+def extension(fmt: OutputFormat) -> str:
+    return _EXTENSION[fmt]
+
+
+def preview_jpeg(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
 def job_dir(output_dir: Path, job_id: str) -> Path:
     if not job_id or "/" in job_id or job_id in (".", "..") or "\x00" in job_id:
         raise OutputError(f"job id {job_id!r} cannot name an output directory")
@@ -68,11 +78,9 @@ def save_preview(output_dir: Path, job_id: str, image: Image.Image) -> str:
     """The latest denoising preview, replaced in place: <job dir>/preview.jpg."""
     directory = job_dir(output_dir, job_id)
     path = directory / "preview.jpg"
-    buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="JPEG", quality=85)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, buffer.getvalue())
+        _write_atomic(path, preview_jpeg(image))
     except OSError as exc:
         raise OutputError(
             f"cannot write preview for job {job_id} under {directory}: {exc}"

@@ -58,8 +58,10 @@ from rq.timeouts import UnixSignalDeathPenalty
 from rq.worker import DequeueStrategy
 
 from api_client import keys
+from api_client.connection import connect
 from api_client.schema import WorkerState
 from worker import device as dev
+from worker import events as job_events
 from worker import metrics
 from worker.errors import FatalWorkerError, JobDeadlineExceeded, JobStopped, ShutdownStop
 from worker.job import RenderJob, RQJobContext, record_error
@@ -67,6 +69,7 @@ from worker.manifest import publish_manifests
 from worker.pulse import REDIS_ERRORS, Pulse
 from worker.render import Renderer
 from worker.timings import FitTracker, TimingRecord
+from worker.webhooks import Dispatcher, parse_targets
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
@@ -86,7 +89,7 @@ def worker_connection(url: str) -> Redis:
     the first error it does not expect, so a restart would otherwise take the worker down.
     """
     retry = RedisRetry(ExponentialBackoff(cap=2.0, base=0.1), retries=35)
-    return Redis.from_url(
+    return connect(
         url,
         retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
@@ -95,23 +98,24 @@ def worker_connection(url: str) -> Redis:
 
 
 class RecordPublisher:
-    """The renderer's record listener in a worker: Prometheus counters and the model's timing
-    fit (fixed + per-step seconds) in Redis, where clients read ETAs."""
+    """The renderer's record listener in a worker: Prometheus counters now, and the model's
+    timing fit (fixed + per-step seconds, where clients read ETAs) in the worker's after-job
+    round trip (flush), not in a Redis call of its own."""
 
-    def __init__(self, connection: Redis) -> None:
-        self.connection = connection
+    def __init__(self) -> None:
         self.fits = FitTracker()
+        self._changed: set[tuple[str, int, int]] = set()
 
     def __call__(self, record: TimingRecord) -> None:
         metrics.observe(record)
         key = self.fits.add(record)
-        if key is None:
-            return
-        try:
-            fit = self.fits.fit(key)
-            self.connection.hset(keys.FITS_KEY, keys.fit_field(*key), fit.model_dump_json())
-        except REDIS_ERRORS as exc:
-            log.warning("could not publish the timing fit of %s: %s", key[0], exc)
+        if key is not None:
+            self._changed.add(key)
+
+    def flush(self, pipe: Any) -> None:
+        for key in self._changed:
+            pipe.hset(keys.FITS_KEY, keys.fit_field(*key), self.fits.fit(key).model_dump_json())
+        self._changed.clear()
 
 
 class KilnWorker(SimpleWorker):
@@ -147,6 +151,7 @@ class KilnWorker(SimpleWorker):
         # Set by the heartbeat thread when the running job's stop key appears (a cancel).
         self.cancelled = threading.Event()
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
+        self.webhooks = Dispatcher.from_settings(renderer.settings)
 
     # -- the work loop --------------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class KilnWorker(SimpleWorker):
             return bool(super().work(burst=burst, **kwargs))
         finally:
             self._pulse.stop()
+            self.webhooks.close()
 
     @property
     def stopping(self) -> bool:
@@ -191,14 +197,15 @@ class KilnWorker(SimpleWorker):
         finally:
             with self._running_lock:
                 self._running = None
-            self._publish_state_after_job()
+            self._after_job(job)
 
     def render_job(self, job: RenderJob) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
         self.cancelled.clear()  # admit() reads the stop key itself, so no cancel is missed
-        ctx = RQJobContext(job, self.shutdown_now, self.cancelled)
+        ctx = RQJobContext(job, self.shutdown_now, self.cancelled, self.renderer.store)
         try:
             result = self.renderer.render(ctx.payload, ctx)
+            ctx.events.result = result
         except ShutdownStop:
             raise
         except JobDeadlineExceeded:
@@ -313,13 +320,31 @@ class KilnWorker(SimpleWorker):
         # Workers killed without a goodbye leave their name behind; drop the long-silent ones.
         conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
 
-    def _publish_state_after_job(self) -> None:
+    def _after_job(self, job: Job) -> None:
+        """Step 7, in one round trip: the model's timing fit, the worker's state and the job's
+        last events; then the job's webhook, sent from a background thread."""
         renderer = self.renderer
         metrics.observe_resident(renderer.cache.rungs(), dev.allocated_bytes(renderer.info))
+        end = None
         try:
-            self.publish_state()
+            with self.connection.pipeline() as pipe:
+                if isinstance(renderer.on_record, RecordPublisher):
+                    renderer.on_record.flush(pipe)
+                self.publish_state(pipe)
+                end = self._end_events(job, pipe)
+                pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("could not publish state after job: %s", exc)
+        if end is not None and end[1] is not None:
+            self.webhooks.send(end[1], end[0])
+
+    def _end_events(self, job: Job, pipe: Any) -> Any:
+        """The job's last events, in the same round trip as the state published after it."""
+        status = job.get_status(refresh=False)
+        error = (job.meta.get("error") or {}).get("message")
+        return job_events.close_journal(
+            self.connection, pipe, job.id, job.origin, str(getattr(status, "value", status)), error
+        )
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -353,6 +378,10 @@ class KilnWorker(SimpleWorker):
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
     """A worker named as its renderer, listening on the queues of the models it serves."""
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
+    # Names only (never URLs or secrets): clients check a request's webhook against them.
+    targets = sorted(parse_targets(renderer.settings.webhooks))
+    if targets:
+        connection.sadd(keys.WEBHOOK_TARGETS_KEY, *targets)
     # The queues carry RenderJob too: RQ's registry cleanups fetch jobs through queue.job_class,
     # and a plain Job there would import and run a payload's failure callback.
     queues = [

@@ -35,8 +35,10 @@ from worker.ladder import (
 from worker.loading import load_pipeline
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
+from worker.store import Store, open_store
 from worker.switches import compile_fell_back
 from worker.timings import Stopwatch, TimingRecord, emit
+from worker.webhooks import check_target
 
 log = logging.getLogger(__name__)
 RecordListener = Callable[[TimingRecord], None]
@@ -64,6 +66,11 @@ class Renderer:
         self.faults = FaultPlan.parse(settings.faults)
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
 
+    @property
+    def store(self) -> Store:
+        """Where this job's files go (KILN_OUTPUT_URL); follows a change of settings."""
+        return open_store(self.settings)
+
     def render(self, payload: Any, ctx: JobContext) -> RenderResult:
         scope = torch.profiler.record_function if self.profiling else None
         watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
@@ -80,8 +87,8 @@ class Renderer:
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
             _describe(record, request)
-            # 2. A job whose files were completed before a crash is answered from disk.
-            done = output.finished_result(self.settings.output_dir, ctx.job_id)
+            # 2. A job whose files were completed before a crash is answered from the store.
+            done = self.store.finished_result(ctx.job_id)
             if done is not None:
                 record.status, record.cold, record.rung = "done", False, done.rung
                 return done
@@ -104,9 +111,9 @@ class Renderer:
             with watch.phase("image_encode"):
                 encoded = [output.encode_image(image, request.output_format) for image in images]
             with watch.phase("save"):
-                files = output.save_images(self.settings.output_dir, ctx.job_id, encoded)
+                files = self.store.save_images(ctx.job_id, encoded)
             result = self._result(request, ctx, loaded, record, files, watch, started_at)
-            output.write_result(self.settings.output_dir, result)
+            self.store.write_result(result)
             record.status = "done"
             return result
         except JobStopped as exc:
@@ -127,6 +134,7 @@ class Renderer:
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
+        check_target(request, self.settings)
         return resolve_request(request, check_servable(request, self.manifests))
 
     def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
@@ -204,7 +212,7 @@ class Renderer:
                     record,
                     info=self.info,
                     faults=self.faults,
-                    output_dir=self.settings.output_dir,
+                    store=self.store,
                 )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):

@@ -11,10 +11,13 @@ from typing import Any
 import structlog
 
 from api_client.manifest import Manifest
+from api_client.redact import redact
 from worker import logs
 from worker.errors import InvalidFaults
 from worker.faults import FaultPlan
 from worker.settings import Settings
+from worker.store import StoreError, open_store
+from worker.webhooks import WebhooksInvalid, parse_targets
 
 log = structlog.get_logger("kiln.worker")
 
@@ -27,10 +30,16 @@ def serve(
     name: str | None,
     prewarm: bool = False,
 ) -> int:
-    logs.configure(settings.log_format)
+    logs.configure(settings.log_format, secrets=settings.secrets())
     try:
         FaultPlan.parse(settings.faults)
-    except InvalidFaults as exc:
+        open_store(settings)  # a malformed KILN_OUTPUT_URL stops the worker here, not per job
+        targets = parse_targets(settings.webhooks)
+        logs.configure(
+            settings.log_format,
+            secrets=[*settings.secrets(), *(t.secret for t in targets.values())],
+        )
+    except (InvalidFaults, WebhooksInvalid, StoreError) as exc:
         log.error("invalid_settings", error=str(exc))
         return 1
     servable = sorted(m.id for m in manifests.values() if not m.benchmark_only)
@@ -50,9 +59,7 @@ def serve(
     connection = worker_connection(settings.redis_url)
     connection.ping()
     name = name or default_worker_name()
-    renderer = Renderer(
-        settings, manifests, info, worker_name=name, on_record=RecordPublisher(connection)
-    )
+    renderer = Renderer(settings, manifests, info, worker_name=name, on_record=RecordPublisher())
     worker = make_worker(connection, renderer, servable)
     set_up = time.perf_counter()
     if prewarm:
@@ -123,8 +130,5 @@ def default_worker_name() -> str:
 
 
 def redacted(url: str) -> str:
-    """Never log a Redis password."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"
+    """Never log a Redis password (api_client.redact is the one helper)."""
+    return redact(url)

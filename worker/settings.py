@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_client.manifest import Switch, SwitchName
+from api_client.redact import redact
 from api_client.schema import Rung
 
 MemoryMode = Literal["auto", Rung]
@@ -18,16 +19,47 @@ SWITCH_NAMES: tuple[SwitchName, ...] = get_args(SwitchName)
 class Settings(BaseSettings):
     """Everything an operator can set, as KILN_<NAME> environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="KILN_", extra="ignore", validate_default=True, populate_by_name=True
+    )
 
     redis_url: str = Field(
-        "redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL"
+        "redis://localhost:6379/0",
+        description="redis://, rediss://, unix:// or redis+sentinel://HOSTS/SERVICE[/db] URL",
     )
     manifests: Path = Field(Path("manifests"), description="Directory of <model id>.yaml manifests")
     models_dir: Path = Field(
         Path("models"), description="Where manifest sources that are paths resolve"
     )
     output_dir: Path = Field(Path("outputs"), description="Images land in <output_dir>/<job id>/")
+    output_url: str | None = Field(
+        None, description="Where results go: a directory or s3://bucket/prefix; unset = output_dir"
+    )
+    url_expires_s: int = Field(
+        7 * 24 * 3600, ge=1, le=7 * 24 * 3600, description="Presigned S3 URLs' lifetime (max 7 d)"
+    )
+    # The store's endpoint and credentials, read the way the AWS tools read them. Unset: boto3's
+    # own chain (profiles, instance roles) decides.
+    aws_endpoint_url: str | None = Field(
+        None, validation_alias=AliasChoices("aws_endpoint_url", "AWS_ENDPOINT_URL")
+    )
+    aws_region: str | None = Field(
+        None, validation_alias=AliasChoices("aws_region", "AWS_REGION", "AWS_DEFAULT_REGION")
+    )
+    aws_access_key_id: str | None = Field(
+        None, validation_alias=AliasChoices("aws_access_key_id", "AWS_ACCESS_KEY_ID")
+    )
+    aws_secret_access_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY")
+    )
+    webhooks: str = Field(
+        "",
+        description='Webhook targets: JSON {"name": {"url", "secret"}} or a JSON file path',
+    )
+    webhook_attempts: int = Field(10, ge=1, description="Tries per webhook delivery")
+    webhook_backoff_s: float = Field(
+        1.0, gt=0, description="First retry delay; doubles per try, capped at 60 s"
+    )
     timings_log: Path = Field(Path("outputs/timings.jsonl"), description="One JSON line per job")
     device: Literal["auto", "cuda", "cpu", "mps"] = Field(
         "auto", description="auto picks cuda, then mps, then cpu"
@@ -63,9 +95,26 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"must start with redis://, rediss:// or unix://, got {url!r}")
+        if not url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
+            raise ValueError(
+                "must start with redis://, rediss://, unix:// or redis+sentinel://, "
+                f"got {redact(url)!r}"
+            )
         return url
+
+    @property
+    def store_location(self) -> str:
+        """KILN_OUTPUT_URL, or KILN_OUTPUT_DIR when that is unset (today's behaviour)."""
+        return self.output_url or str(self.output_dir)
+
+    def secrets(self) -> list[str]:
+        """Values no log line or message may show (see api_client.redact)."""
+        from urllib.parse import urlparse
+
+        found = [urlparse(self.redis_url).password or ""]
+        if self.aws_secret_access_key is not None:
+            found.append(self.aws_secret_access_key.get_secret_value())
+        return [s for s in found if s]
 
     def switch(self, name: SwitchName) -> Switch:
         value: Switch = getattr(self, name)

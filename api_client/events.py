@@ -1,0 +1,85 @@
+"""Job events in Redis Streams: one capped stream per job (with a TTL) and one capped stream per
+model queue, written by client (queued, canceled) and worker (the rest), read with XREAD BLOCK.
+
+The queue stream carries each job's lifecycle (queued, started, done, failed, stopped), not its
+progress or previews: following a whole queue stays cheap, and a job costs fewer commands."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from redis import Redis
+
+from api_client import keys
+from api_client.schema import JobEvent
+
+JOB_STREAM_MAXLEN = 200  # a job writes a few dozen events at most (progress is throttled)
+QUEUE_STREAM_MAXLEN = 10_000  # about the last few thousand jobs of a model
+EVENTS_TTL_S = 7 * 24 * 3600  # as long as RQ keeps the job's result
+BLOCK_SLICE_S = 2.0  # a blocking read wakes at least this often to check the job's status
+FIELD = b"event"
+QUEUE_KINDS = ("queued", "started", "done", "failed", "stopped")
+
+
+def add_events(pipe: Any, events: list[JobEvent], expire: bool = True) -> None:
+    """Queue XADDs for each event (job stream, and its model's stream for lifecycle events) and,
+    with expire, (re)set the job stream's TTL, on a pipeline the caller executes: one round trip.
+    The stream's first writer sets the TTL; XADD keeps it, so later batches may skip it."""
+    for event in events:
+        body = event.model_dump_json(exclude={"id"}, exclude_none=True)
+        pipe.xadd(keys.events_key(event.job_id), {FIELD: body}, maxlen=JOB_STREAM_MAXLEN)
+        if event.model and event.kind in QUEUE_KINDS:
+            pipe.xadd(
+                keys.queue_events_key(event.model),
+                {FIELD: body},
+                maxlen=QUEUE_STREAM_MAXLEN,
+                approximate=True,
+            )
+    for job_id in {event.job_id for event in events} if expire else ():
+        pipe.expire(keys.events_key(job_id), EVENTS_TTL_S)
+
+
+def publish(conn: Redis, events: list[JobEvent]) -> None:
+    with conn.pipeline(transaction=False) as pipe:
+        add_events(pipe, events)
+        pipe.execute()
+
+
+def now() -> float:
+    return time.time()
+
+
+def read(conn: Redis, key: str, after: str, block_s: float | None) -> list[JobEvent]:
+    """Events after the stream id `after` ("0" for all); blocks up to block_s when none."""
+    block = None if block_s is None else max(int(block_s * 1000), 1)
+    answer: Any = conn.xread({key: after}, count=100, block=block)
+    events: list[JobEvent] = []
+    for _stream, entries in answer or []:
+        for entry_id, fields in entries:
+            event = JobEvent.model_validate_json(fields[FIELD])
+            event.id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            events.append(event)
+    return events
+
+
+def follow(
+    conn: Redis,
+    key: str,
+    after: str = "0",
+    timeout: float | None = None,
+    until_terminal: bool = True,
+) -> Iterator[JobEvent]:
+    """Yield events as they arrive; stop after a terminal one (until_terminal) or when timeout
+    seconds pass without the stream ending. Resume later from the last event's id."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        remaining = BLOCK_SLICE_S if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        for event in read(conn, key, after, min(remaining, BLOCK_SLICE_S)):
+            after = event.id or after
+            yield event
+            if until_terminal and event.terminal:
+                return

@@ -1,0 +1,123 @@
+"""A running job's events (started, progress, preview, then done/failed/stopped), written to its
+Redis streams in batches: progress is coalesced and flushed at most every PROGRESS_INTERVAL_S,
+and the end is written in the pipeline the worker already runs after each job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from api_client import events, keys
+from api_client.schema import JobEvent, PreviewRef, RenderResult
+
+log = logging.getLogger(__name__)
+PROGRESS_INTERVAL_S = 1.0  # at most one flush a second, whatever the step rate
+
+
+class EventJournal:
+    """One job's events: buffered, then written in one pipeline per flush."""
+
+    def __init__(
+        self,
+        conn: Redis,
+        job_id: str,
+        model: str | None,
+        webhook: str | None = None,
+        interval_s: float = PROGRESS_INTERVAL_S,
+    ) -> None:
+        self.conn = conn
+        self.job_id = job_id
+        self.model = model
+        self.webhook = webhook
+        self.interval_s = interval_s
+        self.result: RenderResult | None = None
+        self._pending: list[JobEvent] = [self._event("started")]
+        self._progress: JobEvent | None = None
+        self._flushed_at = float("-inf")
+
+    def _event(self, kind: Any, **fields: Any) -> JobEvent:
+        return JobEvent(kind=kind, job_id=self.job_id, model=self.model, at=events.now(), **fields)
+
+    def progress(self, phase: str, step: int, steps: int) -> None:
+        self._progress = self._event("progress", phase=phase, step=step, steps=steps)
+        if time.monotonic() - self._flushed_at >= self.interval_s:
+            self.flush()
+
+    def preview(self, ref: PreviewRef) -> None:
+        self._pending.append(self._event("preview", preview=ref))
+        if time.monotonic() - self._flushed_at >= self.interval_s:
+            self.flush()
+
+    def _drain(self) -> list[JobEvent]:
+        batch = [*self._pending, *([self._progress] if self._progress else [])]
+        self._pending, self._progress = [], None
+        return batch
+
+    def flush(self) -> None:
+        """Write what is buffered in one round trip; a Redis error loses events, not the job."""
+        batch = self._drain()
+        self._flushed_at = time.monotonic()
+        if not batch:
+            return
+        try:
+            with self.conn.pipeline(transaction=False) as pipe:
+                # The client's queued event set the TTL, and finish() sets it again: no EXPIRE.
+                events.add_events(pipe, batch, expire=False)
+                pipe.execute()
+        except RedisError as exc:
+            log.warning("job %s: %d events not written: %s", self.job_id, len(batch), exc)
+
+    def finish(self, pipe: Any, kind: str, error: str | None = None) -> JobEvent:
+        """Queue what is buffered and the end event on the caller's pipeline; the end event."""
+        end = self._event(
+            kind,
+            result=self.result if kind == "done" else None,
+            error=error if kind != "done" else None,
+            detail="re-queued after a worker shutdown" if kind == "queued" else None,
+        )
+        events.add_events(pipe, [*self._drain(), end])
+        return end
+
+
+_journals: dict[str, EventJournal] = {}
+_lock = threading.Lock()
+
+
+def open_journal(conn: Redis, job_id: str, origin: str | None, request: Any) -> EventJournal:
+    """The journal of a job that starts running in this process."""
+    model = origin.removeprefix(keys.QUEUE_PREFIX) if origin else None
+    webhook = request.get("webhook") if isinstance(request, dict) else None
+    journal = EventJournal(conn, job_id, model, webhook if isinstance(webhook, str) else None)
+    with _lock:
+        _journals[job_id] = journal
+    return journal
+
+
+# RQ's status after a job -> the event that ends it here (queued: put back by a shutdown).
+_END_KIND = {"finished": "done", "failed": "failed", "stopped": "stopped", "queued": "queued"}
+
+
+def close_journal(
+    conn: Redis, pipe: Any, job_id: str, origin: str | None, status: str, error: str | None
+) -> tuple[JobEvent, str | None] | None:
+    """Queue the job's last events on pipe; the end event and the webhook target it goes to.
+
+    A job refused before it ran has no journal yet: it gets one here, so it still ends with a
+    failed event. A status with no end (a job still started) queues nothing.
+    """
+    with _lock:
+        journal = _journals.pop(job_id, None)
+    kind = _END_KIND.get(status)
+    if kind is None:
+        return None
+    if journal is None:
+        journal = open_journal(conn, job_id, origin, None)
+        with _lock:
+            _journals.pop(job_id, None)
+    end = journal.finish(pipe, kind, error)
+    return end, journal.webhook if kind != "queued" else None

@@ -1,0 +1,289 @@
+"""Where a job's files go: a local directory (LocalStore, through worker/output.py) or an
+S3-compatible bucket (S3Store, through boto3), chosen by KILN_OUTPUT_URL.
+
+Layout in both: <location>/<job id>/<n>.<ext>, preview.jpg and result.json. The crash invariant
+holds in both: result.json is put last, so a result never points at an image that is not there,
+and a job whose result.json exists is answered from the store instead of rendered again.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from PIL import Image
+
+from api_client.redact import redact
+from api_client.schema import ImageFile, PreviewRef, RenderResult
+from worker import output
+from worker.errors import OutputError
+from worker.output import EncodedImage
+from worker.settings import Settings
+
+PREVIEW_INLINE_MAX = 64 * 1024  # previews up to this size also travel as bytes in events
+_CONTENT_TYPE = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
+
+
+class StoreError(OutputError):
+    """The store cannot take or give a job's files; the message names endpoint, bucket and key."""
+
+
+class Store(Protocol):
+    """What the renderer needs from wherever files go."""
+
+    location: str
+
+    def save_images(self, job_id: str, images: list[EncodedImage]) -> list[ImageFile]: ...
+
+    def save_preview(self, job_id: str, image: Image.Image) -> str: ...
+
+    def preview_ref(self, uri: str) -> PreviewRef: ...
+
+    def write_result(self, result: RenderResult) -> None: ...
+
+    def finished_result(self, job_id: str) -> RenderResult | None: ...
+
+
+class _RecentPreviews:
+    """The last few previews' bytes, so an event can carry them without reading them back."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self._size = size
+
+    def put(self, uri: str, data: bytes) -> None:
+        with self._lock:
+            self._items[uri] = data
+            self._items.move_to_end(uri)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def inline(self, uri: str) -> str | None:
+        with self._lock:
+            data = self._items.get(uri)
+        if data is None or len(data) > PREVIEW_INLINE_MAX:
+            return None
+        return base64.b64encode(data).decode()
+
+
+class LocalStore:
+    """A directory on the worker's host (KILN_OUTPUT_DIR, or a path in KILN_OUTPUT_URL)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.location = str(directory)
+        self._previews = _RecentPreviews()
+
+    def save_images(self, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
+        files = output.save_images(self.directory, job_id, images)
+        return [f.model_copy(update={"uri": Path(f.path or "").as_uri()}) for f in files]
+
+    def save_preview(self, job_id: str, image: Image.Image) -> str:
+        path = Path(output.save_preview(self.directory, job_id, image))
+        uri = path.as_uri()
+        self._previews.put(uri, path.read_bytes())
+        return uri
+
+    def preview_ref(self, uri: str) -> PreviewRef:
+        return PreviewRef(uri=uri, data=self._previews.inline(uri))
+
+    def write_result(self, result: RenderResult) -> None:
+        output.write_result(self.directory, result)
+
+    def finished_result(self, job_id: str) -> RenderResult | None:
+        return output.finished_result(self.directory, job_id)
+
+
+class S3Store:
+    """s3://bucket/prefix on AWS, MinIO, R2 or any S3-compatible service, through boto3.
+
+    Every failure becomes one StoreError naming endpoint, bucket and key (never a credential);
+    boto3 reconnects on its own, so a store that comes back serves the next job.
+    """
+
+    def __init__(self, url: str, settings: Settings) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise StoreError(f"KILN_OUTPUT_URL {url!r} is not s3://bucket[/prefix]")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.location = url
+        self.expires_s = settings.url_expires_s
+        self.endpoint = settings.aws_endpoint_url or "the AWS default endpoint"
+        self._secrets = settings.secrets()
+        self._client = _s3_client(settings)
+        self._previews = _RecentPreviews()
+
+    def key(self, job_id: str, name: str) -> str:
+        output.job_dir(Path("."), job_id)  # the same job id rules as on disk
+        return "/".join(part for part in (self.prefix, job_id, name) if part)
+
+    def save_images(self, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
+        """Put each image; if one fails, delete those already put (best effort) and raise."""
+        files: list[ImageFile] = []
+        put: list[str] = []
+        try:
+            for index, image in enumerate(images):
+                extension = output.extension(image.format)
+                key = self.key(job_id, f"{index}.{extension}")
+                self._put(key, image.data, _CONTENT_TYPE[image.format])
+                put.append(key)
+                files.append(
+                    ImageFile(
+                        uri=f"s3://{self.bucket}/{key}",
+                        url=self._presign(key),
+                        width=image.width,
+                        height=image.height,
+                        format=image.format,
+                        sha256=image.sha256,
+                    )
+                )
+        except StoreError:
+            self._delete_quietly(put)
+            raise
+        return files
+
+    def save_preview(self, job_id: str, image: Image.Image) -> str:
+        key = self.key(job_id, "preview.jpg")
+        data = output.preview_jpeg(image)
+        self._put(key, data, "image/jpeg")
+        uri = f"s3://{self.bucket}/{key}"
+        self._previews.put(uri, data)
+        return uri
+
+    def preview_ref(self, uri: str) -> PreviewRef:
+        key = urlparse(uri).path.lstrip("/")
+        return PreviewRef(uri=uri, url=self._presign(key), data=self._previews.inline(uri))
+
+    def write_result(self, result: RenderResult) -> None:
+        key = self.key(result.job_id, output.RESULT_FILE)
+        self._put(key, result.model_dump_json(indent=2).encode(), "application/json")
+
+    def finished_result(self, job_id: str) -> RenderResult | None:
+        """The stored result with fresh presigned URLs (the stored ones may have expired).
+        None when there is none; StoreError when the store cannot be asked."""
+        key = self.key(job_id, output.RESULT_FILE)
+        data = self._get(key)
+        if data is None:
+            return None
+        try:
+            result = RenderResult.model_validate_json(data)
+        except ValueError:
+            return None
+        images = [
+            image.model_copy(update={"url": self._presign(urlparse(image.uri or "").path[1:])})
+            for image in result.images
+        ]
+        return result.model_copy(update={"images": images})
+
+    # -- boto3 calls, each failure named -------------------------------------------------------
+
+    def _put(self, key: str, data: bytes, content_type: str) -> None:
+        try:
+            self._client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ContentType=content_type
+            )
+        except Exception as exc:
+            raise self._error("put", key, exc) from None
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            answer = self._client.get_object(Bucket=self.bucket, Key=key)
+            data: bytes = answer["Body"].read()
+            return data
+        except Exception as exc:
+            if _error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise self._error("get", key, exc) from None
+
+    def _presign(self, key: str) -> str:
+        url: str = self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=self.expires_s
+        )
+        return url
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+            except Exception:  # the store is failing already; the job's error says so
+                continue
+
+    def _error(self, verb: str, key: str, exc: BaseException) -> StoreError:
+        code = _error_code(exc)
+        reason = redact(str(exc), self._secrets)
+        hint = {
+            "NoSuchBucket": "the bucket does not exist",
+            "InvalidAccessKeyId": "the access key is not known to the store",
+            "SignatureDoesNotMatch": "the secret key is wrong",
+            "AccessDenied": "the credentials may not do this",
+        }.get(code or "", "")
+        detail = f"{hint}: {reason}" if hint else reason
+        return StoreError(
+            f"cannot {verb} s3://{self.bucket}/{key} at endpoint {self.endpoint}: {detail}"
+        )
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response: Any = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def _s3_client(settings: Settings) -> Any:
+    """A boto3 S3 client with short timeouts and few retries: a dead store fails the job within
+    seconds instead of holding the GPU for minutes."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        connect_timeout=3,
+        read_timeout=20,
+        retries={"max_attempts": 3, "mode": "standard"},
+        signature_version="s3v4",
+        s3={"addressing_style": "path"} if settings.aws_endpoint_url else None,
+    )
+    secret = settings.aws_secret_access_key
+    return boto3.client(
+        "s3",
+        endpoint_url=settings.aws_endpoint_url,
+        region_name=settings.aws_region,
+        aws_access_key_id=settings.aws_access_key_id,
+        aws_secret_access_key=secret.get_secret_value() if secret is not None else None,
+        config=config,
+    )
+
+
+_stores: dict[tuple[Any, ...], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def open_store(settings: Settings) -> Store:
+    """The store the settings name, made once per distinct configuration and then reused."""
+    location = settings.store_location
+    secret = settings.aws_secret_access_key
+    key = (
+        location,
+        settings.url_expires_s,
+        settings.aws_endpoint_url,
+        settings.aws_region,
+        settings.aws_access_key_id,
+        secret.get_secret_value() if secret is not None else None,
+    )
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            if location.startswith("s3://"):
+                store = S3Store(location, settings)
+            else:
+                path = urlparse(location).path if location.startswith("file://") else location
+                store = LocalStore(Path(path))
+            _stores[key] = store
+        return store
