@@ -8,6 +8,8 @@ FITS_KEY = "kiln:fits"  # hash: "<model>:<w>x<h>" -> timing fit JSON
 WORKERS_KEY = "kiln:workers"  # sorted set: worker name -> last heartbeat (unix s)
 WORKER_KEY_PREFIX = "kiln:worker:"  # string with TTL: worker name -> state JSON
 STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel was asked
+QUARANTINE_KEY = "kiln:quarantine"  # hash: job id -> JSON {reason, at, queue, fields}, bounded
+QUARANTINE_ORDER_KEY = "kiln:quarantine:order"  # sorted set: job id -> unix time quarantined
 
 
 def queue_name(model_id: str) -> str:

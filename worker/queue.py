@@ -23,14 +23,18 @@ from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker, get_current_job
 from rq.exceptions import StopRequested
 from rq.job import Job
-from rq.registry import StartedJobRegistry
+from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.timeouts import UnixSignalDeathPenalty
+from rq.utils import current_timestamp, now
 from rq.worker import DequeueStrategy
+from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
+from api_client.client import ABANDONED_RETRIES
+from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import RENDER_FUNC
-from worker import metrics
+from worker import metrics, quarantine
 from worker.manifest import publish_manifests
 from worker.render import JobStopped, Renderer, requested_model
 from worker.timings import FitTracker, TimingRecord, emit
@@ -149,7 +153,7 @@ def render_job(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record_error(job: Job, kind: str, message: str) -> None:
-    job.meta["error"] = {"type": kind, "message": message}
+    job.meta["error"] = {"type": kind, "message": short(message, MESSAGE_LIMIT)}
     job.save_meta()
 
 
@@ -165,6 +169,20 @@ class RenderJob(Job):
         self.verify()
         return render_job
 
+    def restore(self, raw_data: Any) -> None:
+        # Every fetch passes here: a record kiln cannot read is quarantined, never half-read.
+        reasons = quarantine.unreadable(raw_data)
+        if not reasons:
+            try:
+                super().restore(raw_data)
+            except Exception as exc:
+                reasons = [f"rq could not read it: {short(f'{type(exc).__name__}: {exc}')}"]
+        if reasons:
+            entry = quarantine.move_aside(self.connection, self.id, reasons)
+            raise quarantine.UnreadableJob(f"job {entry.job_id} quarantined: {entry.reason}")
+        # rq logs the description of every job it takes; a client may have made it 10 MB.
+        self.description = short(self.description) if self.description else self.description
+
     def verify(self) -> None:
         problems = []
         if self.func_name != RENDER_FUNC:
@@ -178,12 +196,30 @@ class RenderJob(Job):
                 )
         if self.webhooks:
             problems.append("webhooks are not allowed")
+        problems += self._run_options()
         if list(self.args) or not isinstance(self.kwargs, dict) or set(self.kwargs) != {"request"}:
             problems.append("arguments must be exactly one keyword, request")
         if problems:
-            message = f"refused job {self.id}: " + "; ".join(problems)
+            message = short(f"refused job {self.id}: " + "; ".join(problems), MESSAGE_LIMIT)
             _record_error(self, "RefusedJob", message)
             raise RefusedJob(message)
+
+    def _run_options(self) -> list[str]:
+        """rq options that change what runs or how often (Job hash fields in rq 2.12): repeats
+        (repeats_left, repeat_intervals), dependencies (dependency_ids, dependency_id,
+        allow_dependency_failures), and retries beyond kiln's own for abandoned jobs
+        (retries_left, retry_intervals) or scheduled for later (no kiln worker runs a scheduler)."""
+        problems = []
+        if self.repeats_left or self.repeat_intervals:
+            problems.append(f"repeat (repeats_left={short(self.repeats_left)}) is not allowed")
+        if self._dependency_ids or self.allow_dependency_failures:
+            ids = short(list(self._dependency_ids))
+            problems.append(f"depends_on {ids} is not allowed")
+        if self.retries_left is not None and self.retries_left > ABANDONED_RETRIES:
+            problems.append(f"retry max {self.retries_left} exceeds {ABANDONED_RETRIES}")
+        if any(self.retry_intervals or []):
+            problems.append(f"retry intervals {short(self.retry_intervals)} are not allowed")
+        return problems
 
     @property
     def success_callback(self) -> None:
@@ -298,7 +334,50 @@ class KilnWorker(SimpleWorker):
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> Any:
         self._holding_job = False
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as exc:
+                # rq tags a popped id it could not even make a Job of (not a job id at all).
+                job_id = getattr(exc, "job_id", None)
+                if job_id is None or isinstance(exc, REDIS_ERRORS):
+                    raise
+                queue = getattr(exc, "queue", None)
+                reason = f"rq could not read it: {type(exc).__name__}: {exc}"
+                quarantine.move_aside(
+                    self.connection, str(job_id), [reason], [queue.key] if queue else []
+                )
+
+    def run_maintenance_tasks(self) -> None:
+        # rq quits its work loop on any error here; a bad record must cost a log line, not a worker.
+        try:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            log.exception("maintenance failed; carrying on")
+            self.last_cleaned_at = now()  # type: ignore[assignment]
+
+    def clean_registries(self) -> None:
+        """rq's clean-up, with its lock released whatever happens (rq leaves it set for 15
+        minutes on an error) and ids that are not job ids moved aside before rq reads them."""
+        for queue in self.queues:
+            if not queue.acquire_maintenance_lock():
+                continue
+            try:
+                quarantine.sweep(
+                    self.connection, queue.key, queue.started_job_registry.key, current_timestamp()
+                )
+                clean_registries(queue, self._exc_handlers)
+                clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+            except REDIS_ERRORS:
+                raise
+            except Exception:
+                log.exception("clean-up of %s failed; carrying on", queue.name)
+            finally:
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()  # type: ignore[assignment]
 
     def reorder_queues(self, reference_queue: Queue) -> None:
         # RQ calls this right after a successful pop: from here on the job must run, whatever
@@ -404,6 +483,7 @@ class KilnWorker(SimpleWorker):
                     job_class=RenderJob,
                     serializer=self.serializer,
                 )
+                quarantine.sweep(self.connection, queue.key, registry.key, current_timestamp())
                 registry.cleanup()
             finally:
                 queue.release_maintenance_lock()

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from PIL import Image
 
+from api_client.errors import short
 from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult
 from worker import device as dev
@@ -73,7 +74,10 @@ class LocalContext:
 def requested_model(payload: Any) -> str | None:
     """The model a raw payload names, if it names one; for records of jobs that fail early."""
     model = payload.get("model") if isinstance(payload, dict) else None
-    return model if isinstance(model, str) else None
+    if not isinstance(model, str):
+        return None
+    # Bounded and encodable: it goes into the timing log and onto stdout, whatever it was.
+    return str(short(model.encode("utf-8", "backslashreplace").decode()))
 
 
 class JobStopped(Exception):

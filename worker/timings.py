@@ -13,6 +13,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, Field
 
+from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import Attempt, SettingsReport, Timings
 
 log = structlog.get_logger("kiln.timings")
@@ -93,6 +94,8 @@ class TimingRecord(BaseModel):
 def emit(record: TimingRecord, log_path: Path) -> None:
     """Log the record through structlog and append it to the timings log as one JSON line."""
     record.finished_at = datetime.now(timezone.utc)
+    # Client-supplied text reaches records through model names and error messages: bound both.
+    record.model, record.error = short(record.model), short(record.error, MESSAGE_LIMIT)
     data: dict[str, Any] = record.model_dump(mode="json")
     line = json.dumps(data, separators=(",", ":"))
     try:
