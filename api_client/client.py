@@ -70,6 +70,11 @@ class KilnJob:
         try:
             return Job.fetch(self.id, connection=self._connection, serializer=JSONSerializer)
         except NoSuchJobError:
+            # A record a worker could not read was moved aside: say why rather than "no job".
+            entry = self._connection.hget(keys.QUARANTINE_KEY, self.id)
+            if entry:
+                reason = json.loads(entry).get("reason", "unreadable record")
+                raise RenderFailed(self.id, f"quarantined: {reason}", "quarantined") from None
             raise UnknownJob(f"no job {self.id!r} in Redis (never submitted, or expired)") from None
 
     def status(self) -> str:

@@ -7,6 +7,7 @@ is refused naming its field; rq options that change what runs are refused unrun.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from rq import Queue, Repeat, Retry
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from api_client import KilnClient, RenderFailed, RequestRejected, keys
+from api_client import KilnClient, KilnJob, RenderFailed, RenderResult, RequestRejected, keys
 from api_client.schema import RENDER_FUNC
 from tests.conftest import MANIFESTS, kiln
 from tests.helpers import enqueue_raw, records
@@ -28,6 +29,7 @@ MODEL = "tiny-sd15"
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"
 GOOD: dict[str, Any] = {"model": MODEL, "prompt": "ok", "steps": 2, "seed": 1}
 MB = 1024 * 1024
+ENDED = ("finished", "failed", "stopped", "canceled")
 
 
 @dataclass
@@ -107,6 +109,12 @@ def alive(d: Deployment) -> None:
     assert d.worker.proc.poll() is None, f"worker died:\n{d.worker.output()}"
 
 
+def ends(d: Deployment, job: KilnJob, timeout: float = 60.0) -> RenderResult:
+    """The job's result (RenderFailed if it failed), failing at once if the worker dies."""
+    wait_until(lambda: alive(d) or job.status() in ENDED, timeout, f"job {job.id} to end")
+    return job.wait(timeout=5)
+
+
 def quarantined(d: Deployment, job_id: str) -> dict[str, Any]:
     """The entry `kiln quarantine --json` lists for this id (the real command line)."""
     done = kiln("quarantine", "--json", env=d.env, timeout=60)
@@ -130,7 +138,7 @@ def test_startup_cleanup_quarantines_corrupt_records_and_releases_its_lock(
     deployment: Deployment,
 ) -> None:
     d = deployment
-    result = d.client.job(d.planted["good job behind"]).wait(timeout=120)
+    result = ends(d, d.client.job(d.planted["good job behind"]), timeout=120)
     assert result.images
     alive(d)
     held = quarantined(d, d.planted["intermediate"])
@@ -169,11 +177,13 @@ def test_corrupt_record_is_quarantined_and_the_next_job_runs(
     field, garbage, says = CORRUPT[label]
     bad = make_record(d.conn, field, garbage)
     d.conn.rpush(QUEUE_KEY, bad)
-    good = d.client.submit(GOOD)
-    assert good.wait(timeout=60).images
+    assert ends(d, d.client.submit(GOOD)).images
     alive(d)
     entry = quarantined(d, bad)
     assert says in entry["reason"], entry
+    with pytest.raises(RenderFailed, match=f"quarantined: .*{re.escape(says[:8])}") as caught:
+        d.client.job(bad).wait(timeout=1)
+    assert caught.value.status == "quarantined"
     assert entry["queue"] == keys.queue_name(MODEL)
     gone(d, bad)
 
@@ -181,7 +191,7 @@ def test_corrupt_record_is_quarantined_and_the_next_job_runs(
 def test_an_id_that_is_no_job_id_is_quarantined(deployment: Deployment) -> None:
     d = deployment
     d.conn.rpush(QUEUE_KEY, "no job id!")
-    assert d.client.submit(GOOD).wait(timeout=60).images
+    assert ends(d, d.client.submit(GOOD)).images
     alive(d)
     assert "could not read it" in quarantined(d, "no job id!")["reason"]
     gone(d, "no job id!")
@@ -191,7 +201,7 @@ def test_kiln_quarantine_clears_an_entry(deployment: Deployment) -> None:
     d = deployment
     bad = make_record(d.conn, "status", b"bogus")
     d.conn.rpush(QUEUE_KEY, bad)
-    assert d.client.submit(GOOD).wait(timeout=60).images
+    assert ends(d, d.client.submit(GOOD)).images
     listing = kiln("quarantine", env=d.env, timeout=60)
     assert bad in listing.stdout and "status='bogus'" in listing.stdout
     assert kiln("quarantine", "--clear", bad, env=d.env, timeout=60).returncode == 0
@@ -213,7 +223,7 @@ def test_huge_values_and_keys_are_echoed_cut_short(deployment: Deployment) -> No
     }
     for label, job_id in jobs.items():
         with pytest.raises(RenderFailed) as caught:
-            d.client.job(job_id).wait(timeout=60)
+            ends(d, d.client.job(job_id))
         assert len(caught.value.message) < 2500, label
         meta = d.conn.hget(f"rq:job:{job_id}", "meta") or b""
         assert len(meta) < 4000, (label, len(meta))
@@ -253,8 +263,8 @@ def test_a_lone_surrogate_is_refused_naming_its_field(deployment: Deployment, fi
     d.conn.hset(job.key, "data", escaped.encode())
     d.conn.rpush(QUEUE_KEY, job.id)
     with pytest.raises(RenderFailed, match=f"{field}="):
-        d.client.job(job.id).wait(timeout=60)
-    assert d.client.submit(GOOD).wait(timeout=60).images
+        ends(d, d.client.job(job.id))
+    assert ends(d, d.client.submit(GOOD)).images
     alive(d)
 
 
@@ -275,7 +285,7 @@ def test_repeat_and_foreign_dependencies_are_refused_unrun(deployment: Deploymen
     says = {"repeat": "repeat", "depends_on": "depends_on", "retry": "retry max 50"}
     for label, job_id in jobs.items():
         with pytest.raises(RenderFailed, match="refused job") as caught:
-            d.client.job(job_id).wait(timeout=60)
+            ends(d, d.client.job(job_id))
         assert says[label] in caught.value.message, caught.value.message
     alive(d)
     rendered = {r.job_id for r in records(d.timings_log) if r.status == "done"}

@@ -112,7 +112,7 @@ def _data_problem(data: bytes | None) -> str:
     if data is None:
         return "data: missing"
     try:
-        payload = json.loads(_inflate(data))
+        payload = json.loads(_inflate(data).decode("utf-8"))
     except Exception as exc:
         return f"data: not JSON ({short(_why(exc))})"
     if not (isinstance(payload, list) and len(payload) == 4):

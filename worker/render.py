@@ -118,16 +118,19 @@ class Renderer:
             device=self.info.torch_device,
             model=requested_model(payload),  # so a refused request still counts against its model
         )
+        recorded = False  # this job's one record was written before a crash: write no other
         try:
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
             record.model = request.model
             record.steps, record.width, record.height = request.steps, request.width, request.height
             record.num_images = request.num_images
-            # 2. A job whose files were completed before a crash is answered from disk.
+            # 2. A job whose files were completed before a crash is answered from disk, with one
+            #    record: the render's, recovered from result.json unless it was written already.
             done = output.finished_result(self.settings.output_dir, ctx.job_id)
             if done is not None:
-                record.status, record.cold, record.rung = "done", False, done.rung
+                recorded = output.recorded(self.settings.output_dir, ctx.job_id)
+                record = TimingRecord.from_result(done)
                 return done
             # 3. Generate on the ladder: rung choice, load, encode/denoise/decode, OOM descent.
             images, loaded = self._render_on_ladder(request, ctx, watch, record)
@@ -147,9 +150,13 @@ class Renderer:
             record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            record.timings = watch.timings(ctx.queue_wait_s)
-            self.last_record = record
-            emit(record, self.settings.timings_log)
+            if record.answered_from == "render":
+                record.timings = watch.timings(ctx.queue_wait_s)
+            self.last_record = None if recorded else record
+            if not recorded:
+                emit(record, self.settings.timings_log)
+            if record.status == "done" and not recorded:
+                output.mark_recorded(self.settings.output_dir, ctx.job_id)
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
