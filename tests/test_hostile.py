@@ -236,6 +236,8 @@ def test_huge_values_and_keys_are_echoed_cut_short(deployment: Deployment) -> No
     ]
     assert len(lines) == 2 and all(len(line) < 5000 for line in lines), [len(x) for x in lines]
     grown = d.worker.log.stat().st_size - stdout_before
+    metas = [len(d.conn.hget(f"rq:job:{j}", "meta") or b"") for j in jobs.values()]
+    print(f"\nmeta bytes {metas}, log lines {[len(x) for x in lines]}, stdout +{grown} bytes")
     assert grown < 64 * 1024, f"stdout grew {grown} bytes"
     # The client refuses them too, with a message as short.
     for request in ({**GOOD, "model": huge_model}, {**GOOD, long_key: 1}):

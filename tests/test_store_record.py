@@ -71,6 +71,8 @@ def test_a_job_answered_from_the_store_has_exactly_one_record(
         # Killed before its record: the rescuer writes the render's own record, recovered from
         # result.json, saying it was answered from the store; its phases are the render's.
         (recovered,) = by_job[before.id]
+        shown = recovered.model_dump_json(include={"worker", "answered_from", "timings"})
+        print(f"\nrecovered from result.json: {shown}")
         assert recovered.answered_from == "store" and recovered.status == "done"
         assert recovered.worker == early.name
         assert recovered.timings.denoise > 0 and recovered.timings.total > 0
