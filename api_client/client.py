@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from api_client import keys
-from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
 from api_client.schema import RENDER_FUNC, Progress, RenderRequest, RenderResult
 
@@ -29,6 +30,8 @@ STOP_TTL_S = 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
+MAX_JOB_ID_CHARS = 200  # a job id names a directory and is echoed in errors and records
+JOB_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_JOB_ID_CHARS}}}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,9 @@ class KilnClient:
     ) -> KilnJob:
         """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
         resolved = self.validate(request)
+        if job_id is not None and not JOB_ID.fullmatch(job_id):
+            rule = f"must be 1-{MAX_JOB_ID_CHARS} letters, digits, _ or -"
+            raise RequestRejected([Problem("job_id", job_id, rule)], model=resolved.model)
         queue = Queue(
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )

@@ -197,6 +197,32 @@ def test_an_id_that_is_no_job_id_is_quarantined(deployment: Deployment) -> None:
     gone(d, "no job id!")
 
 
+def test_a_job_id_too_long_to_echo_is_quarantined_and_refused_by_the_client(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    long_id = "j" * 300  # rq takes any length; kiln echoes ids and makes directories of them
+    job = Job.create(
+        RENDER_FUNC,
+        kwargs={"request": GOOD},
+        id=long_id,
+        connection=d.conn,
+        serializer=JSONSerializer,
+        origin=keys.queue_name(MODEL),
+    )
+    job.save()
+    d.conn.rpush(QUEUE_KEY, long_id)
+    assert ends(d, d.client.submit(GOOD)).images
+    alive(d)
+    assert (
+        "id: longer than 200 characters (300)"
+        in quarantined(d, long_id[:200] + "... (300 chars)")["reason"]
+    )
+    gone(d, long_id)
+    with pytest.raises(RequestRejected, match="job_id="):
+        d.client.submit(GOOD, job_id=long_id)
+
+
 def test_kiln_quarantine_clears_an_entry(deployment: Deployment) -> None:
     d = deployment
     bad = make_record(d.conn, "status", b"bogus")

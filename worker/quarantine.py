@@ -29,6 +29,7 @@ from rq.queue import Queue
 from rq.utils import str_to_date
 
 from api_client import keys
+from api_client.client import MAX_JOB_ID_CHARS
 from api_client.errors import short
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Entry:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-def unreadable(raw: dict[bytes, bytes]) -> list[str]:
+def unreadable(raw: dict[bytes, bytes], job_id: str | None = None) -> list[str]:
     """Every reason kiln cannot read this job hash, each naming its field; [] when it can.
 
     Checks what rq's Job.restore parses (and raises on) plus the shapes kiln relies on later:
@@ -86,6 +87,8 @@ def unreadable(raw: dict[bytes, bytes]) -> list[str]:
     """
     fields = {_text(k): v for k, v in raw.items()}
     problems = [_data_problem(fields.get("data"))]
+    if job_id is not None and not valid_id(job_id):
+        problems.append(f"id: longer than {MAX_JOB_ID_CHARS} characters ({len(job_id)})")
     checks: list[tuple[Iterable[str], Callable[[bytes], object]]] = [
         (("status",), lambda v: JobStatus(v.decode())),
         (_DATES, str_to_date),
@@ -162,6 +165,11 @@ def _text(value: bytes | str) -> str:
 
 
 def valid_id(job_id: str) -> bool:
+    """An id kiln can echo and name a directory with: rq's characters, MAX_JOB_ID_CHARS at most."""
+    return len(job_id) <= MAX_JOB_ID_CHARS and _keyable(job_id)
+
+
+def _keyable(job_id: str) -> bool:
     return bool(JOB_ID_PATTERN.fullmatch(job_id))
 
 
@@ -170,7 +178,7 @@ def move_aside(
 ) -> Entry:
     """Summarise the record into the quarantine, delete its hash, take its id off these queues
     (and their intermediate lists) and trim the quarantine to QUARANTINE_MAX entries."""
-    raw = cast(dict[bytes, bytes], conn.hgetall(Job.key_for(job_id)) if valid_id(job_id) else {})
+    raw = cast(dict[bytes, bytes], conn.hgetall(Job.key_for(job_id)) if _keyable(job_id) else {})
     summary = {short(_text(k), 60): short(_shown(v)) for k, v in list(raw.items())[:MAX_FIELDS]}
     origin = _text(raw.get(b"origin", b""))
     if origin.startswith(keys.QUEUE_PREFIX):
@@ -185,7 +193,7 @@ def move_aside(
     with conn.pipeline() as pipe:
         pipe.hset(keys.QUARANTINE_KEY, entry.job_id, json.dumps(entry.__dict__))
         pipe.zadd(keys.QUARANTINE_ORDER_KEY, {entry.job_id: entry.at})
-        if valid_id(job_id):
+        if _keyable(job_id):
             pipe.delete(Job.key_for(job_id))
         for key in queue_keys:
             pipe.lrem(key, 0, job_id)
@@ -238,7 +246,7 @@ def sweep(conn: Redis, queue_key: str, registry_key: str, now: float) -> None:
     for raw in cast(list[bytes], conn.lrange(f"{queue_key}:intermediate", 0, -1)):
         job_id = _text(raw)
         if not valid_id(job_id):
-            move_aside(conn, job_id, ["id: not a job id"], [queue_key])
+            move_aside(conn, job_id, ["id: not a job id (or too long)"], [queue_key])
     for raw in cast(list[bytes], conn.zrangebyscore(registry_key, 0, now)):
         member = _text(raw)
         if not valid_id(member.split(":")[0]):

@@ -171,7 +171,7 @@ class RenderJob(Job):
 
     def restore(self, raw_data: Any) -> None:
         # Every fetch passes here: a record kiln cannot read is quarantined, never half-read.
-        reasons = quarantine.unreadable(raw_data)
+        reasons = quarantine.unreadable(raw_data, self.id)
         if not reasons:
             try:
                 super().restore(raw_data)
