@@ -73,3 +73,26 @@ def test_the_quarantine_is_bounded(redis_conn: Redis, monkeypatch: pytest.Monkey
     assert not redis_conn.exists(f"rq:job:{ids[-1]}")
     assert quarantine.clear(redis_conn, ids[-1]) == 1
     assert quarantine.clear(redis_conn) == 4 and quarantine.entries(redis_conn) == []
+
+
+def test_a_job_whose_workers_kept_dying_is_noted_as_a_killer(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """After its last abandoned retry, rq fails the job; the quarantine says why."""
+    from tests.helpers import make_renderer
+    from worker.queue import make_worker
+
+    job = client_for(redis_conn, settings).submit(REQUEST)
+    queue = keys.queue_name("tiny-sd15")
+    # As after its third re-run: taken, no retries left, and its worker gone quiet.
+    redis_conn.lrem(f"rq:queue:{queue}", 0, job.id)
+    fields = {"status": "started", "retries_left": 0, "number_of_retries": 3, "worker_name": "w3"}
+    redis_conn.hset(f"rq:job:{job.id}", mapping=fields)  # type: ignore[arg-type]
+    redis_conn.zadd(f"rq:wip:{queue}", {f"{job.id}:dead-execution": 1})
+    make_worker(
+        redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"]
+    ).recover_abandoned()
+    assert job.status() == "failed"
+    (entry,) = quarantine.entries(redis_conn)
+    assert entry.job_id == job.id and entry.queue == queue
+    assert entry.reason == "abandoned 4 time(s): its worker died running it (last: w3)"

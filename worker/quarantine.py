@@ -204,6 +204,19 @@ def move_aside(
     return entry
 
 
+def note_killer(conn: Redis, job_id: str, reason: str, queue: str | None) -> Entry:
+    """An entry for a record kiln can read whose runs kept ending with their worker dead (an
+    OOM kill, a segfault). The record stays where rq puts it (failed); only the entry is added."""
+    entry = Entry(job_id=short(job_id), reason=short(reason, 1000), at=time.time(), queue=queue)
+    with conn.pipeline() as pipe:
+        pipe.hset(keys.QUARANTINE_KEY, entry.job_id, json.dumps(entry.__dict__))
+        pipe.zadd(keys.QUARANTINE_ORDER_KEY, {entry.job_id: entry.at})
+        pipe.execute()
+    _trim(conn)
+    log.error("job %s quarantined: %s", entry.job_id, entry.reason)
+    return entry
+
+
 def _trim(conn: Redis) -> None:
     excess = conn.zcard(keys.QUARANTINE_ORDER_KEY) - QUARANTINE_MAX
     if excess <= 0:

@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker, get_current_job
-from rq.exceptions import StopRequested
+from rq.exceptions import AbandonedJobError, StopRequested
 from rq.job import Job
 from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
@@ -220,6 +220,16 @@ class RenderJob(Job):
         if any(self.retry_intervals or []):
             problems.append(f"retry intervals {short(self.retry_intervals)} are not allowed")
         return problems
+
+    def execute_failure_callback(self, death_penalty_class: Any, *exc_info: Any) -> None:
+        # rq's clean-up calls this for each abandoned job (no callback ever runs here). One with
+        # no retries left has had its worker die under it every time: note it as a killer.
+        if exc_info and exc_info[0] is AbandonedJobError and not self.retries_left:
+            runs = (self.number_of_retries or 0) + 1
+            reason = (
+                f"abandoned {runs} time(s): its worker died running it (last: {self.worker_name})"
+            )
+            quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
 
     @property
     def success_callback(self) -> None:
