@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,6 +44,8 @@ STOP_TTL_S = 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
+MAX_JOB_ID_CHARS = 200  # a job id names a directory and is echoed in errors and records
+JOB_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_JOB_ID_CHARS}}}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,11 @@ class KilnJob:
         try:
             return Job.fetch(self.id, connection=self._connection, serializer=JSONSerializer)
         except NoSuchJobError:
+            # A record a worker could not read was moved aside: say why rather than "no job".
+            entry = self._connection.hget(keys.QUARANTINE_KEY, self.id)
+            if entry:
+                reason = json.loads(entry).get("reason", "unreadable record")
+                raise RenderFailed(self.id, f"quarantined: {reason}", "quarantined") from None
             raise UnknownJob(f"no job {self.id!r} in Redis (never submitted, or expired)") from None
 
     def status(self) -> str:
@@ -246,6 +255,9 @@ class KilnClient:
     ) -> KilnJob:
         """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
         resolved = self.validate(request)
+        if job_id is not None and not JOB_ID.fullmatch(job_id):
+            rule = f"must be 1-{MAX_JOB_ID_CHARS} letters, digits, _ or -"
+            raise RequestRejected([Problem("job_id", job_id, rule)], model=resolved.model)
         queue = Queue(
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )

@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Longest a client-supplied value or key is echoed in an error, a record or a log line.
+ECHO_LIMIT = 200
+MESSAGE_LIMIT = 2000  # a whole message made of such echoes (RequestRejected lists at most 8)
+
+
+def short(value: Any, limit: int = ECHO_LIMIT) -> Any:
+    """A value fit to echo: text (or the repr of a container or bytes) longer than limit is cut,
+    with its original length noted; anything else is returned as it is. A 10 MB model name must
+    not become a 10 MB error in Redis, a 20 MB timing line and 30 MB on stdout."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} chars)"
+    if isinstance(value, (dict, list, tuple, set, bytes, bytearray)):
+        text = repr(value)
+        return value if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+    return value
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -15,7 +31,7 @@ class Problem:
     rule: str
 
     def __str__(self) -> str:
-        return f"{self.field}={self.value!r}: {self.rule}"
+        return f"{short(self.field)}={short(self.value)!r}: {short(self.rule, 4 * ECHO_LIMIT)}"
 
 
 class KilnError(Exception):
@@ -28,8 +44,10 @@ class RequestRejected(KilnError):
     def __init__(self, problems: list[Problem], model: str | None = None) -> None:
         self.problems = problems
         self.model = model
-        where = f" for model {model!r}" if model else ""
-        lines = "; ".join(str(p) for p in problems)
+        where = f" for model {short(model)!r}" if model else ""
+        lines = "; ".join(str(p) for p in problems[:8])
+        if len(problems) > 8:
+            lines += f"; and {len(problems) - 8} more"
         super().__init__(f"request rejected{where}: {lines}")
 
 

@@ -11,6 +11,8 @@ STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel w
 EVENTS_KEY_PREFIX = "kiln:events:"  # stream with TTL, capped: one job's life as JobEvents
 QUEUE_EVENTS_KEY_PREFIX = "kiln:queue-events:"  # stream, capped: every job event of one model
 WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: target names in workers' KILN_WEBHOOKS
+QUARANTINE_KEY = "kiln:quarantine"  # hash: job id -> JSON {reason, at, queue, fields}, bounded
+QUARANTINE_ORDER_KEY = "kiln:quarantine:order"  # sorted set: job id -> unix time quarantined
 
 
 def queue_name(model_id: str) -> str:

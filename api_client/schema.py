@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from api_client.errors import Problem, RequestRejected
+from api_client.errors import Problem, RequestRejected, short
 
 OutputFormat = Literal["png", "webp", "jpeg"]
 PHASES: tuple[str, ...] = (
@@ -65,35 +65,38 @@ class RenderRequest(BaseModel):
             )
         return name
 
+    @field_validator("model", "prompt", "negative_prompt")
+    @classmethod
+    def _encodable(cls, value: str) -> str:
+        # A lone surrogate ("\ud800") passes as str but no tokenizer, JSON encoder or file takes it.
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"must be valid Unicode text: lone surrogate at position {exc.start}"
+            ) from None
+        return value
+
     @classmethod
     def parse(cls, payload: Any) -> RenderRequest:
         """Build from untrusted data (a queue payload, a CLI dict); each problem names its field."""
         if isinstance(payload, RenderRequest):
             return payload
         if not isinstance(payload, dict):
-            raise RequestRejected([Problem("request", _short(payload), "must be a JSON object")])
+            raise RequestRejected([Problem("request", short(payload), "must be a JSON object")])
         try:
             return cls.model_validate(payload)
         except ValidationError as exc:
             problems = [
                 Problem(
                     ".".join(str(p) for p in err["loc"]) or "request",
-                    _short(err.get("input")),
+                    short(err.get("input")),
                     err["msg"],
                 )
                 for err in exc.errors()
             ]
             model = payload.get("model") if isinstance(payload.get("model"), str) else None
             raise RequestRejected(problems, model=model) from None
-
-
-def _short(value: Any, limit: int = 80) -> Any:
-    """Keep error messages readable when the offending value is a 1 MB prompt."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]}... ({len(value)} chars)"
-    if isinstance(value, (dict, list)) and len(repr(value)) > limit:
-        return f"{repr(value)[:limit]}..."
-    return value
 
 
 class ImageFile(BaseModel):

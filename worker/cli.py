@@ -156,6 +156,13 @@ def _parser() -> argparse.ArgumentParser:
     timings.add_argument("--chart", type=Path, help="also draw a PNG chart of phase medians")
     timings.add_argument("--last", type=int, help="show the last N jobs one per row")
     timings.set_defaults(handler=_timings)
+
+    quarantine = verbs.add_parser(
+        "quarantine", help="job records kiln could not read or that killed workers, with reasons"
+    )
+    quarantine.add_argument("--clear", metavar="ID", help="drop this entry (`all`: every entry)")
+    quarantine.add_argument("--json", action="store_true", help="one JSON object per entry")
+    quarantine.set_defaults(handler=_quarantine)
     return parser
 
 
@@ -346,6 +353,14 @@ def _timings(args: argparse.Namespace) -> int:
     return run_report(
         args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last
     )
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    from redis import Redis
+
+    from worker.quarantine import command
+
+    return command(Redis.from_url(_settings().redis_url), args.clear, args.json)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from rq.exceptions import AbandonedJobError
 from rq.job import Job
 
 from api_client import keys
+from api_client.client import ABANDONED_RETRIES
+from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import RENDER_FUNC, JobError, Progress
 from worker import events as job_events
+from worker import quarantine
 from worker.errors import JobStopped, RefusedJob, ShutdownStop
 from worker.store import Store
 
@@ -42,6 +46,20 @@ class RenderJob(Job):
             raise RuntimeError(f"job {self.id}: a kiln job runs only inside `kiln worker`")
         return self.run(self)
 
+    def restore(self, raw_data: Any) -> None:
+        # Every fetch passes here: a record kiln cannot read is quarantined, never half-read.
+        reasons = quarantine.unreadable(raw_data, self.id)
+        if not reasons:
+            try:
+                super().restore(raw_data)
+            except Exception as exc:
+                reasons = [f"rq could not read it: {short(f'{type(exc).__name__}: {exc}')}"]
+        if reasons:
+            entry = quarantine.move_aside(self.connection, self.id, reasons)
+            raise quarantine.UnreadableJob(f"job {entry.job_id} quarantined: {entry.reason}")
+        # rq logs the description of every job it takes; a client may have made it 10 MB.
+        self.description = short(self.description) if self.description else self.description
+
     def problems(self) -> list[str]:
         """Why this job must not run: anything but one render call with one request."""
         found = []
@@ -59,9 +77,37 @@ class RenderJob(Job):
                 found.append(f"{kind} callback {name!r} is not allowed")
         if self.webhooks:
             found.append("webhooks are not allowed")
+        found += self._run_options()
         if args or not isinstance(kwargs, dict) or set(kwargs) != {"request"}:
             found.append("arguments must be exactly one keyword, request")
         return found
+
+    def _run_options(self) -> list[str]:
+        """rq options that change what runs or how often (Job hash fields in rq 2.12): repeats
+        (repeats_left, repeat_intervals), dependencies (dependency_ids, dependency_id,
+        allow_dependency_failures), and retries beyond kiln's own for abandoned jobs
+        (retries_left, retry_intervals) or scheduled for later (no kiln worker runs a scheduler)."""
+        problems = []
+        if self.repeats_left or self.repeat_intervals:
+            problems.append(f"repeat (repeats_left={short(self.repeats_left)}) is not allowed")
+        if self._dependency_ids or self.allow_dependency_failures:
+            ids = short(list(self._dependency_ids))
+            problems.append(f"depends_on {ids} is not allowed")
+        if self.retries_left is not None and self.retries_left > ABANDONED_RETRIES:
+            problems.append(f"retry max {self.retries_left} exceeds {ABANDONED_RETRIES}")
+        if any(self.retry_intervals or []):
+            problems.append(f"retry intervals {short(self.retry_intervals)} are not allowed")
+        return problems
+
+    def execute_failure_callback(self, death_penalty_class: Any, *exc_info: Any) -> None:
+        # rq's clean-up calls this for each abandoned job (no callback ever runs here). One with
+        # no retries left has had its worker die under it every time: note it as a killer.
+        if exc_info and exc_info[0] is AbandonedJobError and not self.retries_left:
+            runs = (self.number_of_retries or 0) + 1
+            reason = (
+                f"abandoned {runs} time(s): its worker died running it (last: {self.worker_name})"
+            )
+            quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
 
     @property
     def success_callback(self) -> None:
@@ -86,7 +132,7 @@ class RenderJob(Job):
 
 def record_error(job: Job, kind: str, message: str) -> None:
     """The reason a job ended without a result, where the client reads it (job.meta)."""
-    job.meta["error"] = JobError(type=kind, message=message).model_dump()
+    job.meta["error"] = JobError(type=kind, message=short(message, MESSAGE_LIMIT)).model_dump()
     job.save_meta()
 
 
@@ -122,7 +168,8 @@ class RQJobContext:
     def admit(self) -> None:
         problems = self.job.problems()
         if problems:
-            raise RefusedJob(f"refused job {self.job_id}: " + "; ".join(problems))
+            message = f"refused job {self.job_id}: " + "; ".join(problems)
+            raise RefusedJob(short(message, MESSAGE_LIMIT))
         # A job cancelled while it sat in a queue (or while its worker died) never loads a model.
         if self.job.connection.exists(keys.stop_key(self.job_id)):
             raise JobStopped(f"job {self.job_id} stopped on request before it started")

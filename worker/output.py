@@ -14,6 +14,7 @@ from api_client.schema import ImageFile, OutputFormat, RenderResult
 from worker.errors import OutputError
 
 RESULT_FILE = "result.json"
+RECORDED_MARK = ".recorded"  # the job's timing record was written (after result.json)
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 _EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
 
@@ -104,6 +105,20 @@ def finished_result(output_dir: Path, job_id: str) -> RenderResult | None:
         return RenderResult.model_validate_json(path.read_bytes())
     except (OSError, ValueError):
         return None
+
+
+def mark_recorded(output_dir: Path, job_id: str) -> bool:
+    """The job's one timing record is written; a worker answering it from disk writes none.
+    False if the mark cannot be made: at worst a crash then costs a second record, not the job."""
+    try:
+        (job_dir(output_dir, job_id) / RECORDED_MARK).touch()
+    except OSError:
+        return False
+    return True
+
+
+def recorded(output_dir: Path, job_id: str) -> bool:
+    return (job_dir(output_dir, job_id) / RECORDED_MARK).exists()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

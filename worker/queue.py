@@ -52,17 +52,19 @@ from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job
-from rq.registry import StartedJobRegistry
+from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.timeouts import UnixSignalDeathPenalty
+from rq.utils import current_timestamp, now
 from rq.worker import DequeueStrategy
+from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
 from api_client.connection import connect
 from api_client.schema import WorkerState
 from worker import device as dev
 from worker import events as job_events
-from worker import metrics
+from worker import metrics, quarantine
 from worker.errors import FatalWorkerError, JobDeadlineExceeded, JobStopped, ShutdownStop
 from worker.job import RenderJob, RQJobContext, record_error
 from worker.manifest import publish_manifests
@@ -176,7 +178,50 @@ class KilnWorker(SimpleWorker):
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> Any:
         self._holding_job = False
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as exc:
+                # rq tags a popped id it could not even make a Job of (not a job id at all).
+                job_id = getattr(exc, "job_id", None)
+                if job_id is None or isinstance(exc, REDIS_ERRORS):
+                    raise
+                queue = getattr(exc, "queue", None)
+                reason = f"rq could not read it: {type(exc).__name__}: {exc}"
+                quarantine.move_aside(
+                    self.connection, str(job_id), [reason], [queue.key] if queue else []
+                )
+
+    def run_maintenance_tasks(self) -> None:
+        # rq quits its work loop on any error here; a bad record must cost a log line, not a worker.
+        try:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            log.exception("maintenance failed; carrying on")
+            self.last_cleaned_at = now()  # type: ignore[assignment]
+
+    def clean_registries(self) -> None:
+        """rq's clean-up, with its lock released whatever happens (rq leaves it set for 15
+        minutes on an error) and ids that are not job ids moved aside before rq reads them."""
+        for queue in self.queues:
+            if not queue.acquire_maintenance_lock():
+                continue
+            try:
+                quarantine.sweep(
+                    self.connection, queue.key, queue.started_job_registry.key, current_timestamp()
+                )
+                clean_registries(queue, self._exc_handlers)
+                clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+            except REDIS_ERRORS:
+                raise
+            except Exception:
+                log.exception("clean-up of %s failed; carrying on", queue.name)
+            finally:
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()  # type: ignore[assignment]
 
     def reorder_queues(self, reference_queue: Queue) -> None:
         # RQ calls this right after a successful pop: from here on the job must run, whatever
@@ -290,6 +335,7 @@ class KilnWorker(SimpleWorker):
                     job_class=RenderJob,
                     serializer=self.serializer,
                 )
+                quarantine.sweep(self.connection, queue.key, registry.key, current_timestamp())
                 registry.cleanup()
             finally:
                 queue.release_maintenance_lock()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from api_client.errors import short
 from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung
 from worker import device as dev
@@ -81,16 +82,19 @@ class Renderer:
             device=self.info.torch_device,
             model=_requested_model(payload),  # so a refused job still counts against its model
         )
+        recorded = False  # this job's one record was written before a crash: write no other
         try:
             # 0. A job refused by its runner, or cancelled while it waited, never loads a model.
             ctx.admit()
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
             _describe(record, request)
-            # 2. A job whose files were completed before a crash is answered from the store.
+            # 2. A job whose files were completed before a crash is answered from the store,
+            #    with one record: the render's, recovered from result.json unless written already.
             done = self.store.finished_result(ctx.job_id)
             if done is not None:
-                record.status, record.cold, record.rung = "done", False, done.rung
+                recorded = output.recorded(self.settings.output_dir, ctx.job_id)
+                record = TimingRecord.from_result(done)
                 return done
             # 3. Choose a rung and have the pipeline resident there.
             manifest = self.manifests[request.model]
@@ -127,10 +131,14 @@ class Renderer:
                 raise fatal from exc
             raise
         finally:
-            record.timings = watch.timings(ctx.queue_wait_s)
-            emit(record, self.settings.timings_log)
-            if self.on_record is not None:
-                self.on_record(record)
+            if record.answered_from == "render":
+                record.timings = watch.timings(ctx.queue_wait_s)
+            if not recorded:
+                emit(record, self.settings.timings_log)
+                if record.status == "done":
+                    output.mark_recorded(self.settings.output_dir, ctx.job_id)
+                if self.on_record is not None:
+                    self.on_record(record)
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
@@ -287,7 +295,10 @@ def _describe(record: TimingRecord, request: RenderRequest) -> None:
 def _requested_model(payload: Any) -> str | None:
     """The model a raw payload names, if it names one; for records of jobs that fail early."""
     model = payload.get("model") if isinstance(payload, dict) else None
-    return model if isinstance(model, str) else None
+    if not isinstance(model, str):
+        return None
+    # Bounded and encodable: it goes into the timing log and onto stdout, whatever it was.
+    return str(short(model.encode("utf-8", "backslashreplace").decode()))
 
 
 def _fatal(exc: BaseException, job_id: str) -> FatalWorkerError | None:

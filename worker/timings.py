@@ -15,7 +15,8 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, Field
 
-from api_client.schema import Attempt, SettingsReport, TimingFit, Timings
+from api_client.errors import MESSAGE_LIMIT, short
+from api_client.schema import Attempt, RenderResult, SettingsReport, TimingFit, Timings
 
 log = structlog.get_logger("kiln.timings")
 
@@ -86,18 +87,51 @@ class TimingRecord(BaseModel):
     attempts: list[Attempt] = Field(default_factory=list)
     settings: SettingsReport = Field(default_factory=SettingsReport)
     worker: str | None = None
+    # "store": answered from disk after a crash; its phases are the render's, from result.json.
+    answered_from: Literal["render", "store"] = "render"
     finished_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))  # set by emit
 
     @property
     def steady(self) -> bool:
         """A warm render: done, not cold, and really rendered (not answered from disk after a
         crash). Only these go into medians and timing fits."""
-        return self.status == "done" and not self.cold and self.timings.denoise > 0
+        return (
+            self.status == "done"
+            and not self.cold
+            and self.answered_from == "render"
+            and self.timings.denoise > 0
+        )
+
+    @classmethod
+    def from_result(cls, result: RenderResult) -> TimingRecord:
+        """The render's own record, recovered from its result.json by a worker answering the job
+        from disk after the rendering worker died before writing it."""
+        return cls(
+            job_id=result.job_id,
+            model=result.model,
+            status="done",
+            timings=result.timings,
+            steps=result.steps,
+            width=result.width,
+            height=result.height,
+            num_images=len(result.images),
+            rung=result.rung,
+            device=result.device,
+            dtype=result.dtype,
+            compiled=result.compiled,
+            quantized=result.quantized,
+            attempts=result.attempts,
+            settings=result.settings,
+            worker=result.worker,
+            answered_from="store",
+        )
 
 
 def emit(record: TimingRecord, log_path: Path) -> None:
     """Log the record through structlog and append it to the timings log as one JSON line."""
     record.finished_at = datetime.now(timezone.utc)
+    # Client-supplied text reaches records through model names and error messages: bound both.
+    record.model, record.error = short(record.model), short(record.error, MESSAGE_LIMIT)
     data: dict[str, Any] = record.model_dump(mode="json")
     line = json.dumps(data, separators=(",", ":"))
     try:
