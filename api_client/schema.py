@@ -134,6 +134,7 @@ class RenderResult(BaseModel):
     height: int
     rung: str
     device: str
+    simulated_device: str | None = None  # the device profile decisions were made as, if any
     dtype: str
     compiled: bool
     quantized: dict[str, str]

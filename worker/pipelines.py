@@ -101,6 +101,10 @@ def load_pipeline(
         kwargs["variant"] = manifest.variant
     if manifest.family in ("sd15", "sd2"):
         kwargs.update(safety_checker=None, requires_safety_checker=False)
+    if manifest.vae is not None:
+        from worker.vae import load_vae_override
+
+        kwargs["vae"] = load_vae_override(manifest, settings.models_dir, dtype)
     pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     loaded = LoadedPipeline(manifest=manifest, pipe=pipe, rung=rung, dtype=dtype, settings=report)
@@ -108,6 +112,9 @@ def load_pipeline(
     _set_scheduler(pipe, manifest)
     _quantize(loaded, info, settings)
     _apply_switches(loaded, info, settings)
+    from worker.vae import upcast_before_placement
+
+    upcast_before_placement(loaded)
     _place(pipe, rung, info)
     _compile(loaded, info, settings)
     dev.synchronize(info)
@@ -184,9 +191,9 @@ def _apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings
         report.add("applied", "sdpa", "torch scaled_dot_product_attention (diffusers default)")
 
     channels_last = _switch(loaded, settings, "channels_last")
-    if channels_last == "on" or (
-        channels_last == "auto" and info.accelerator and denoiser is pipe.unet
-    ):
+    # The family names its denoiser: SD3's is a transformer and its pipeline has no unet at all.
+    conv_unet = family_of(loaded.manifest.family).denoiser == "unet"
+    if channels_last == "on" or (channels_last == "auto" and info.accelerator and conv_unet):
         denoiser.to(memory_format=torch.channels_last)
         report.add("applied", "channels_last", "denoiser in channels_last layout")
     elif channels_last == "auto":
@@ -257,7 +264,8 @@ def _place(pipe: Any, rung: Rung, info: DeviceInfo) -> None:
     elif rung == "model_offload":
         pipe.enable_model_cpu_offload(device=target)
     else:
-        cuda = target.type == "cuda"
+        # Streams need the real device to have them, whatever card the decisions are made as.
+        cuda = target.type == "cuda" and info.streams
         pipe.enable_group_offload(
             onload_device=target,
             offload_device=torch.device("cpu"),
@@ -290,9 +298,17 @@ def _compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> No
     if switch == "off":
         report.add("skipped", "compile", "switched off")
         return
-    if switch == "auto" and not required and not info.accelerator:
+    if switch == "auto" and not required and not info.compile_default:
         report.add(
             "skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)"
+        )
+        return
+    if switch == "auto" and not required and info.simulated and info.torch_device == "cpu":
+        report.add(
+            "skipped",
+            "compile",
+            f"auto: {info.simulated} would compile at full; not run on the real device (cpu),"
+            " where the tiny UNet takes 76 s to compile",
         )
         return
     from worker.compile import compile_available, compile_denoiser

@@ -366,6 +366,7 @@ class KilnWorker(SimpleWorker):
             error=f"{type(exc).__name__}: {exc}" if exc is not None else "failed before rendering",
             worker=self.name,
             device=self.renderer.info.torch_device,
+            simulated_device=self.renderer.info.simulated,
         )
         self.renderer.last_record = record
         emit(record, self.renderer.settings.timings_log)

@@ -24,6 +24,7 @@ from worker.ladder import (
     Rung,
     RungChoice,
     RungMemory,
+    choose_rung,
     is_oom,
     lower_rung,
     oom_detail,
@@ -112,6 +113,7 @@ class Renderer:
             job_id=ctx.job_id,
             worker=self.worker_name,
             device=self.info.torch_device,
+            simulated_device=self.info.simulated,
             model=requested_model(payload),  # so a refused request still counts against its model
         )
         try:
@@ -185,7 +187,16 @@ class Renderer:
                 record.recompiles = loaded.recompiles
                 record.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
                 size = (request.width or 0, request.height or 0)
-                self.rungs.remember(manifest.id, *size, loaded.rung)
+                pushed_down = any(
+                    a.outcome == "oom" and a.rung != loaded.rung for a in record.attempts
+                )
+                self.rungs.remember(
+                    manifest.id,
+                    *size,
+                    loaded.rung,
+                    pushed_down=pushed_down,
+                    usable_gb=choice.usable_gb or 0.0,
+                )
                 return images, loaded
             record.attempts.append(
                 Attempt(rung=loaded.rung, outcome="oom", phase=watch.current, detail=failure)
@@ -209,20 +220,27 @@ class Renderer:
         return self.settings.memory_mode != "auto"
 
     def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
-        mode = self.settings.memory_mode
-        if mode == "auto":
-            remembered = self.rungs.get(manifest.id, request.width or 0, request.height or 0)
-            if remembered is not None:
-                return RungChoice(remembered, "remembered: worked last time at this model and size")
-            resident = self.cache.get(manifest.id)
-            if resident is not None:
-                return RungChoice(resident.rung, "already resident")
-        return pick_rung(manifest, self.usable_gb(exclude=manifest.id), mode)
+        if self.settings.memory_mode != "auto":
+            return pick_rung(
+                manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode
+            )
+        # Counting this model's own resident bytes as reclaimable: what it could have reloaded.
+        room = self.usable_gb()
+        # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
+        grown = room if self.info.accelerator else None
+        size = (request.width or 0, request.height or 0)
+        ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
+        return choose_rung(
+            manifest, self.cache.get(manifest.id), ceiling, self.rungs.ceilings(manifest.id), room
+        )
 
     def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
         """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
+        free = dev.free_bytes(self.info)
+        if self.info.simulated is not None:  # a profile's free memory is before kiln loaded
+            free = max(free - self.cache.resident_bytes(), 0)
         return usable_gb(
-            free_bytes=dev.free_bytes(self.info),
+            free_bytes=free,
             reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
             reserve_gb=self.settings.vram_reserve_gb,
             budget_gb=self.settings.vram_budget_gb,
@@ -394,6 +412,7 @@ class Renderer:
             height=int(request.height or 0),
             rung=loaded.rung,
             device=self.info.torch_device,
+            simulated_device=self.info.simulated,
             dtype=loaded.dtype_name,
             compiled=loaded.compiled,
             quantized=dict(loaded.quantized),

@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     vram_budget_gb: float | None = Field(
         None, gt=0, description="Cap on what kiln may use, even on a big card"
     )
+    device_profile: str | None = Field(
+        None,
+        description="Decide as this card would (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB"
+        " sets its free memory); tensors stay on the real device",
+    )
     compile: Switch = Field(
         "auto", description="torch.compile at the full rung: auto = on for accelerators"
     )
@@ -65,6 +70,16 @@ class Settings(BaseSettings):
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"must start with redis://, rediss:// or unix://, got {url!r}")
         return url
+
+    @field_validator("device_profile")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from worker.profiles import parse_profile
+
+        parse_profile(value)
+        return value.strip().lower()
 
     def switch(self, name: SwitchName) -> Switch:
         value: Switch = getattr(self, name)

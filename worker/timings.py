@@ -73,6 +73,7 @@ class TimingRecord(BaseModel):
     rung: str | None = None
     rung_reason: str | None = None
     device: str | None = None
+    simulated_device: str | None = None  # the KILN_DEVICE_PROFILE decisions were made as
     dtype: str | None = None
     compiled: bool = False
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
