@@ -18,7 +18,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from api_client import keys
-from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
 from api_client.schema import RENDER_FUNC, Progress, RenderRequest, RenderResult
 
@@ -178,14 +178,18 @@ class KilnClient:
         at_front: bool = False,
         timeout_s: int = JOB_TIMEOUT_S,
     ) -> KilnJob:
-        """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
-        resolved = self.validate(request)
+        """Validate, then enqueue on the model's queue. The same job_id twice renders once;
+        a job_id that already names a different request is refused (RequestRejected)."""
+        parsed = RenderRequest.parse(request)
+        resolved = self.validate(parsed)
+        if job_id is not None:
+            resolved = self._same_request(job_id, parsed, resolved)
         queue = Queue(
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )
-        job_id = job_id or uuid.uuid4().hex
+        given, job_id = job_id is not None, job_id or uuid.uuid4().hex
         # Already submitted: idempotent, hand back the same job.
-        with contextlib.suppress(DuplicateJobError):
+        try:
             queue.enqueue_call(
                 RENDER_FUNC,
                 kwargs={"request": resolved.model_dump(mode="json")},
@@ -198,7 +202,39 @@ class KilnClient:
                 failure_ttl=RESULT_TTL_S,
                 description=f"{resolved.model}: {resolved.prompt[:60]}",
             )
+        except DuplicateJobError:
+            # Enqueued by someone else between the check above and the enqueue: check again.
+            if given:
+                self._same_request(job_id, parsed, resolved)
         return KilnJob(job_id, self.connection)
+
+    def _same_request(
+        self, job_id: str, parsed: RenderRequest, resolved: RenderRequest
+    ) -> RenderRequest:
+        """The request to enqueue under job_id, or RequestRejected when the id already names a
+        different one in Redis. A request that leaves the seed to chance takes the queued job's
+        seed, so resubmitting it is the same job, not a conflict."""
+        try:
+            existing = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+            queued = existing.kwargs.get("request") if isinstance(existing.kwargs, dict) else None
+        except NoSuchJobError:
+            return resolved
+        if not isinstance(queued, dict):
+            queued = {}
+        if parsed.seed is None and isinstance(queued.get("seed"), int):
+            resolved = resolved.model_copy(update={"seed": queued["seed"]})
+        if resolved.model_dump(mode="json") != queued:
+            raise RequestRejected(
+                [
+                    Problem(
+                        "job_id",
+                        job_id,
+                        "already names a different request; submit this one under a new job id",
+                    )
+                ],
+                model=resolved.model,
+            )
+        return resolved
 
     def job(self, job_id: str) -> KilnJob:
         return KilnJob(job_id, self.connection)

@@ -65,6 +65,13 @@ class RenderRequest(BaseModel):
             raise RequestRejected(problems, model=model) from None
 
 
+def request_digest(request: RenderRequest) -> str:
+    """sha256 of a resolved request: what a job id's files on disk were rendered from."""
+    import hashlib
+
+    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+
+
 def _short(value: Any, limit: int = 80) -> Any:
     """Keep error messages readable when the offending value is a 1 MB prompt."""
     if isinstance(value, str) and len(value) > limit:

@@ -159,7 +159,7 @@ def allocated_bytes(info: DeviceInfo) -> int:
     """Device memory held in tensors; on CPU torch keeps no count, so the resident set size."""
     if info.torch_device.startswith("cuda"):
         return int(torch.cuda.memory_allocated(info.torch_device))
-    if info.backend == "mps":
+    if info.torch_device == "mps":
         return int(torch.mps.current_allocated_memory())
     return _process_rss_bytes()
 
@@ -180,14 +180,14 @@ def synchronize(info: DeviceInfo) -> None:
     """Phase boundaries wait for queued GPU work, so a phase is charged for its own kernels."""
     if info.torch_device.startswith("cuda"):
         torch.cuda.synchronize(info.torch_device)
-    elif info.backend == "mps":
+    elif info.torch_device == "mps":
         torch.mps.synchronize()
 
 
 def empty_cache(info: DeviceInfo) -> None:
     if info.torch_device.startswith("cuda"):
         torch.cuda.empty_cache()
-    elif info.backend == "mps":
+    elif info.torch_device == "mps":
         torch.mps.empty_cache()
     else:
         _trim_host_heap()

@@ -13,6 +13,7 @@ from PIL import Image
 from api_client.schema import ImageFile, OutputFormat, RenderResult
 
 RESULT_FILE = "result.json"
+REQUEST_FILE = "request.sha256"  # the resolved request's digest, written just before result.json
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 _EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
 
@@ -83,22 +84,44 @@ def save_preview(output_dir: Path, job_id: str, image: Image.Image) -> str:
     return str(path.resolve())
 
 
-def write_result(output_dir: Path, result: RenderResult) -> None:
-    """result.json is written last: its presence means the job's files are complete."""
+class OtherRequest(RuntimeError):
+    """A job id's files on disk were rendered from a different request; never answer with them."""
+
+
+def write_result(output_dir: Path, result: RenderResult, request_digest: str = "") -> None:
+    """result.json is written last: its presence means the job's files are complete. Beside it,
+    the digest of the request they were rendered from, so a reused job id is never answered
+    with another request's images."""
     path = job_dir(output_dir, result.job_id) / RESULT_FILE
     try:
+        _write_atomic(path.with_name(REQUEST_FILE), request_digest.encode())
         _write_atomic(path, result.model_dump_json(indent=2).encode())
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc}") from exc
 
 
-def finished_result(output_dir: Path, job_id: str) -> RenderResult | None:
-    """The result of a job already completed on disk (a worker died before reporting it)."""
-    path = job_dir(output_dir, job_id) / RESULT_FILE
+def finished_result(output_dir: Path, job_id: str, request_digest: str = "") -> RenderResult | None:
+    """The result of this request completed on disk (a worker died before reporting it).
+
+    OtherRequest when the job id's files come from a different request (or from a kiln that
+    kept no digest): answering with them would hand back someone else's images, and rendering
+    over them would destroy them."""
+    directory = job_dir(output_dir, job_id)
     try:
-        return RenderResult.model_validate_json(path.read_bytes())
+        result = RenderResult.model_validate_json((directory / RESULT_FILE).read_bytes())
     except (OSError, ValueError):
         return None
+    try:
+        stored = (directory / REQUEST_FILE).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        stored = ""
+    if stored != request_digest:
+        raise OtherRequest(
+            f"job {job_id}: {directory} already holds the result of a different request"
+            f" ({REQUEST_FILE} {stored[:12] or 'missing'}, this request {request_digest[:12]});"
+            " submit it under a new job id"
+        )
+    return result
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

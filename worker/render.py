@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from api_client.manifest import Manifest, check_servable, resolve_request
-from api_client.schema import Attempt, RenderRequest, RenderResult
+from api_client.schema import Attempt, RenderRequest, RenderResult, request_digest
 from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
@@ -123,7 +123,8 @@ class Renderer:
             record.steps, record.width, record.height = request.steps, request.width, request.height
             record.num_images = request.num_images
             # 2. A job whose files were completed before a crash is answered from disk.
-            done = output.finished_result(self.settings.output_dir, ctx.job_id)
+            digest = request_digest(request)
+            done = output.finished_result(self.settings.output_dir, ctx.job_id, digest)
             if done is not None:
                 record.status, record.cold, record.rung = "done", False, done.rung
                 return done
@@ -135,7 +136,7 @@ class Renderer:
             with watch.phase("save"):
                 files = output.save_images(self.settings.output_dir, ctx.job_id, encoded)
             result = self._result(request, ctx, loaded, record, files, watch, started_at)
-            output.write_result(self.settings.output_dir, result)
+            output.write_result(self.settings.output_dir, result, digest)
             record.status = "done"
             return result
         except JobStopped as exc:

@@ -74,8 +74,14 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     """Render each served model once at each manifest resolution before taking jobs, so load,
     torch.compile (one graph per size) and allocator growth are paid at startup, not by the
     first job of each size. Each warm-up leaves its own (cold) timing record."""
+    import shutil
+    import uuid
+
     from worker.render import LocalContext
 
+    # Unique per start: a fixed id would be answered from the last start's files on disk, and
+    # the warm-up (load, compile) would silently not happen.
+    start = uuid.uuid4().hex[:8]
     for model_id in models:
         manifest = renderer.manifests[model_id]
         for width, height in manifest.resolutions:
@@ -87,9 +93,11 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
                 "width": width,
                 "height": height,
             }
-            job_id = f"prewarm-{worker_name}-{model_id}-{width}x{height}"
+            job_id = f"prewarm-{worker_name}-{start}-{model_id}-{width}x{height}"
             try:
                 renderer.render(request, LocalContext(job_id))
+                # Nobody asked for these images; one directory per start would pile up.
+                shutil.rmtree(renderer.settings.output_dir / job_id, ignore_errors=True)
             except Exception as exc:
                 log.warning(
                     "prewarm_failed", model=model_id, width=width, height=height, error=str(exc)
