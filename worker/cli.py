@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         "doctor", help="device, memory, dtypes, attention, compile, torchao, Redis"
     )
     doctor.add_argument("--model", help="also load this model and print its switch report")
+    doctor.add_argument(
+        "--profile",
+        help="decide as this card (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB): the rung,"
+        " dtype, switches and quantize schemes of every manifest there; exit 1 if one cannot run",
+    )
     doctor.set_defaults(handler=_doctor)
 
     bench = verbs.add_parser(
@@ -271,7 +276,7 @@ def _manifests_publish(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from worker.doctor import run_doctor
 
-    return run_doctor(_settings(), model=args.model)
+    return run_doctor(_settings(), model=args.model, profile=args.profile)
 
 
 def _bench(args: argparse.Namespace) -> int:

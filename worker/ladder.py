@@ -42,6 +42,13 @@ def rung_need_gb(manifest: Manifest, rung: Rung) -> float:
     return manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * default_share)
 
 
+def planning_gb(usable: float, fp32_on_accelerator: bool) -> float:
+    """Memory to weigh the manifest's needs against: min_vram_gb and rung_vram_gb are measured
+    with 16-bit weights, so a model that must run fp32 on a card (sd3 on a T4: no bf16, and
+    fp16 overflows) needs about twice as much; halving what is usable says the same."""
+    return usable / 2 if fp32_on_accelerator else usable
+
+
 @dataclass(frozen=True)
 class RungChoice:
     rung: Rung

@@ -29,12 +29,14 @@ from worker.ladder import (
     lower_rung,
     oom_detail,
     pick_rung,
+    planning_gb,
     rung_need_gb,
     usable_gb,
 )
 from worker.pipelines import (
     LoadedPipeline,
     PipelineCache,
+    choose_dtype,
     compile_fell_back,
     load_pipeline,
     preview_steps,
@@ -226,7 +228,8 @@ class Renderer:
                 manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode
             )
         # Counting this model's own resident bytes as reclaimable: what it could have reloaded.
-        room = self.usable_gb()
+        fp32 = self.info.accelerator and choose_dtype(manifest, self.info)[0] == torch.float32
+        room = planning_gb(self.usable_gb(), fp32)
         # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
         grown = room if self.info.accelerator else None
         size = (request.width or 0, request.height or 0)
