@@ -33,6 +33,9 @@ def serve(
     if not servable:
         log.error("no_models", error="no servable manifests (all missing or benchmark_only)")
         return 1
+    # Weights before jobs: a download never runs under a job's timeout.
+    if not ensure_weights(settings, {m: manifests[m] for m in servable}):
+        return 1
     # Heavy imports only now: torch, diffusers.
     from worker import device as dev
     from worker.queue import make_worker, worker_connection
@@ -68,6 +71,26 @@ def serve(
         "worker_exited", worker=worker.name, error="work loop ended without a shutdown request"
     )
     return 1
+
+
+def ensure_weights(settings: Settings, manifests: dict[str, Manifest]) -> bool:
+    """Pull whatever the served models lack (progress in the log); False when that fails."""
+    from worker.pull import PullError, missing, pull
+
+    gaps = missing(manifests, settings.models_dir)
+    if not gaps:
+        return True
+    log.info("weights_missing", models=sorted(gaps), reasons=gaps)
+    try:
+        pull(
+            {m: manifests[m] for m in gaps},
+            settings.models_dir,
+            say=lambda line: log.info("pull", progress=line),
+        )
+    except PullError as exc:
+        log.error("weights_unavailable", error=str(exc))
+        return False
+    return True
 
 
 def warm(renderer: Any, models: list[str], worker_name: str) -> None:
