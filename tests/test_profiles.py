@@ -10,11 +10,15 @@ from typing import Any
 import pytest
 
 from api_client.manifest import Manifest
+from tests.conftest import kiln
+from worker.device import DeviceInfo
 from worker.ladder import pick_rung, planning_gb
 from worker.manifest import load_manifests
-from worker.profiles import GIB, PROFILES, parse_profile
+from worker.plan import plan_model
+from worker.profiles import GIB, PROFILES, parse_profile, profile_for
 from worker.render import LocalContext, Renderer
 
+CPU_INFO = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
 # The real model each tiny family stands in for: its memory needs decide the rung.
 REAL_MODEL = {"sd15": "sd-turbo", "sdxl": "sdxl-base", "sd3": "sd35-medium"}
 # Every shipped profile, plus a T4 with 5 GiB free (another process holds the rest).
@@ -84,3 +88,43 @@ def test_family_renders_as_the_profiled_card_would(
     assert not result.compiled and "compile" in skipped
     if family == "sd3":
         assert result.quantized == {"text_encoder_3": "int8"}
+    # `kiln doctor --profile` decides without loading; it must say what this load did.
+    plan = plan_model(loaded.manifest, renderer.info, settings, renderer.usable_gb())
+    assert (plan.rung, plan.dtype) == (result.rung, result.dtype)
+    for switch in ("channels_last", "vae_tiling", "vae_upcast"):
+        assert (switch in plan.names("applied")) == (switch in applied), switch
+
+
+def test_profile_names_and_free_memory_are_checked(make_settings: Any) -> None:
+    from pydantic import ValidationError
+
+    from worker.device import simulate
+
+    assert make_settings(device_profile=" T4 ").device_profile == "t4"
+    with pytest.raises(ValidationError, match=r"unknown device profile 'v100'.*t4, l4, a100"):
+        make_settings(device_profile="v100")
+    with pytest.raises(ValidationError, match=r"free memory must be in \(0, 16.0\] GiB"):
+        make_settings(device_profile="t4:20")
+    info = simulate("t4:9.5", simulate("h100", CPU_INFO))
+    assert (info.simulated, info.free_bytes, info.torch_device) == ("t4", int(9.5 * GIB), "cpu")
+    assert [profile_for(n) for n in ("Tesla T4", "NVIDIA H200", "AMD Instinct MI300X")] == [
+        "t4",
+        "h200",
+        "mi300",
+    ]
+    for profile in PROFILES.values():
+        assert profile.source and 0 < profile.free_gib < profile.total_gib
+
+
+def test_doctor_profile_prints_each_models_plan_and_fails_where_one_cannot_run(
+    kiln_env: dict[str, str],
+) -> None:
+    done = kiln("doctor", "--profile", "t4:2", env=kiln_env)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "profile       t4: decisions as Tesla T4 (simulated)" in out and "source  " in out
+    assert "  sdxl-base          group_offload  fp16   NO" in out
+    assert "  tiny-sd15          full           fp16   yes" in out
+    assert "CANNOT RUN    needs 3.00 GB even at group_offload; 1.65 GB usable" in out
+    unknown = kiln("doctor", "--profile", "v100", env=kiln_env)
+    assert unknown.returncode == 2 and "unknown device profile 'v100'" in unknown.stdout

@@ -105,7 +105,8 @@ def probe_real(settings: Settings) -> DeviceInfo:
             # Native only: with emulation counted, a T4 would get slow bf16 instead of fp16.
             bf16=torch.cuda.is_bf16_supported(including_emulation=False),
             fp16=True,
-            fp8=torch.version.hip is None and capability >= (8, 9),
+            # fp8 tensor cores: Ada/Hopper (sm89+), CDNA3 (gfx942, which HIP reports as 9.4)
+            fp8=capability >= ((9, 4) if torch.version.hip is not None else (8, 9)),
             capability=capability,
             streams=True,
             compile_default=True,

@@ -176,6 +176,17 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+def profile_for(card_name: str) -> str | None:
+    """The profile of a card by the name torch reports for it (bench/gpu_check.py compares)."""
+    upper = card_name.upper()
+    for key, name in (("T4", "t4"), ("L4", "l4"), ("A100", "a100"), ("H100", "h100")):
+        if key in upper:
+            return name
+    if "H200" in upper:
+        return "h200"
+    return "mi300" if "MI300" in upper else None
+
+
 def parse_profile(value: str) -> tuple[DeviceProfile, float | None]:
     """`name` or `name:FREE_GIB` -> (profile, free GiB override); ValueError teaches the grammar."""
     name, _, free = value.strip().lower().partition(":")
