@@ -499,8 +499,9 @@ def _check_profile(report: Report, settings: Settings, cuda: bool) -> None:
             report.failures.append(
                 f"profile {name}: {key} {profiled[key]} but the card says {reported[key]}"
             )
-    # Datasheet memory vs what the driver reports: within 6 % (ECC and reserved areas).
-    if abs(reported["total_gib"] - p.total_gib) > 0.06 * p.total_gib:
+    # Datasheet memory vs what the driver reports: within 10 % (a T4's 16 GB shows as about
+    # 15 GiB, less with ECC on: the driver keeps the rest), else the profile is wrong.
+    if abs(reported["total_gib"] - p.total_gib) > 0.10 * p.total_gib:
         report.failures.append(
             f"profile {name}: total {p.total_gib} GiB but the card reports {reported['total_gib']}"
         )
