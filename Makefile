@@ -1,12 +1,16 @@
 # kiln: `make run` renders a small prompt suite on the tiny models; `make test` runs the suite.
 # Everything installs into .venv. torch: a torch the system Python already has (a GPU box) is
-# kept and used; otherwise the CPU wheel torch==2.13.0, never a multi-GB CUDA build by accident.
+# kept and used; otherwise $(TORCH) from $(TORCH_INDEX) or PyPI. PyPI's torch on Linux x86_64 is
+# the CUDA build (about 3 GB with its nvidia-* wheels); on macOS it is the CPU/MPS build. For the
+# CPU-only wheel on Linux: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 KILN := $(VENV)/bin/kiln
 STAMP := $(VENV)/.kiln-installed
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 
 .PHONY: install run test test-fast bench lint gpu-check clean
@@ -16,7 +20,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
+	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[worker,dev]'
 	@touch $(STAMP)
 

@@ -253,15 +253,19 @@ class KilnClient:
         at_front: bool = False,
         timeout_s: int = JOB_TIMEOUT_S,
     ) -> KilnJob:
-        """Validate, then enqueue on the model's queue. The same job_id twice renders once."""
-        resolved = self.validate(request)
+        """Validate, then enqueue on the model's queue. The same job_id twice renders once;
+        a job_id that already names a different request is refused (RequestRejected)."""
+        parsed = RenderRequest.parse(request)
+        resolved = self.validate(parsed)
         if job_id is not None and not JOB_ID.fullmatch(job_id):
             rule = f"must be 1-{MAX_JOB_ID_CHARS} letters, digits, _ or -"
             raise RequestRejected([Problem("job_id", job_id, rule)], model=resolved.model)
+        if job_id is not None:
+            resolved = self._same_request(job_id, parsed, resolved)
         queue = Queue(
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )
-        job_id = job_id or uuid.uuid4().hex
+        given, job_id = job_id is not None, job_id or uuid.uuid4().hex
         # Already submitted: idempotent, hand back the same job.
         try:
             queue.enqueue_call(
@@ -277,10 +281,41 @@ class KilnClient:
                 description=f"{resolved.model}: {resolved.prompt[:60]}",
             )
         except DuplicateJobError:
+            # Enqueued by someone else between the check above and the enqueue: check again.
+            if given:
+                self._same_request(job_id, parsed, resolved)
             return KilnJob(job_id, self.connection)
         queued = JobEvent(kind="queued", job_id=job_id, model=resolved.model, at=events.now())
         events.publish(self.connection, [queued])
         return KilnJob(job_id, self.connection)
+
+    def _same_request(
+        self, job_id: str, parsed: RenderRequest, resolved: RenderRequest
+    ) -> RenderRequest:
+        """The request to enqueue under job_id, or RequestRejected when the id already names a
+        different one in Redis. A request that leaves the seed to chance takes the queued job's
+        seed, so resubmitting it is the same job, not a conflict."""
+        try:
+            existing = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+            queued = existing.kwargs.get("request") if isinstance(existing.kwargs, dict) else None
+        except NoSuchJobError:
+            return resolved
+        if not isinstance(queued, dict):
+            queued = {}
+        if parsed.seed is None and isinstance(queued.get("seed"), int):
+            resolved = resolved.model_copy(update={"seed": queued["seed"]})
+        if resolved.model_dump(mode="json") != queued:
+            raise RequestRejected(
+                [
+                    Problem(
+                        "job_id",
+                        job_id,
+                        "already names a different request; submit this one under a new job id",
+                    )
+                ],
+                model=resolved.model,
+            )
+        return resolved
 
     def job(self, job_id: str) -> KilnJob:
         return KilnJob(job_id, self.connection)

@@ -82,6 +82,9 @@ class Manifest(_Strict):
     optimizations: dict[SwitchName, Switch] = Field(default_factory=dict)
     # An AutoencoderTiny (TAESD) for cheap previews while denoising: hub id or local directory.
     taesd: str | None = Field(default=None, min_length=1)
+    # A replacement VAE (hub id or local directory), e.g. madebyollin/sdxl-vae-fp16-fix: an SDXL
+    # VAE that does not overflow in fp16, so an fp16 card decodes without an fp32 upcast.
+    vae: str | None = Field(default=None, min_length=1)
 
     @field_validator("resolutions")
     @classmethod

@@ -99,6 +99,13 @@ class RenderRequest(BaseModel):
             raise RequestRejected(problems, model=model) from None
 
 
+def request_digest(request: RenderRequest) -> str:
+    """sha256 of a resolved request: what a job id's files on disk were rendered from."""
+    import hashlib
+
+    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+
+
 class ImageFile(BaseModel):
     """One image of a result. uri says where it lives in the store (file:// or s3://); url is a
     presigned HTTPS link for S3 stores, valid KILN_URL_EXPIRES_S; path only for local stores."""
@@ -164,6 +171,7 @@ class RenderResult(BaseModel):
     height: int
     rung: str
     device: str
+    simulated_device: str | None = None  # the device profile decisions were made as, if any
     dtype: str
     compiled: bool
     quantized: dict[str, str]
@@ -173,6 +181,9 @@ class RenderResult(BaseModel):
     worker: str
     started_at: datetime
     finished_at: datetime
+    # sha256 of the resolved request this answers: a job id reused for another request is never
+    # answered with these images (see request_digest).
+    request_sha256: str | None = None
 
 
 class Progress(BaseModel):

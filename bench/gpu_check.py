@@ -1,9 +1,11 @@
-"""GPU acceptance check: random-weight pipelines with the real SD1.5 and SDXL architectures
-(bench/configs, never downloaded) through kiln's own renderer and ladder.
+"""GPU acceptance check: random-weight pipelines with the real SD1.5, SDXL and SD3.5-medium
+architectures (bench/configs, never downloaded) through kiln's own renderer and ladder.
 
 Reports per-phase timings and peak memory at each rung, the compile speedup after warm-up, the
-int8 memory drop, and a real out-of-memory (torch.cuda.set_per_process_memory_fraction) that the
-ladder survives. Runs offline in under 8 minutes on an NVIDIA GPU:
+int8 memory drop (SDXL's text_encoder_2, SD3's T5), a real out-of-memory
+(torch.cuda.set_per_process_memory_fraction) that the ladder survives, and the card against
+kiln's device profile of it (memory, native bf16, fp8, compute capability). Runs offline on an
+NVIDIA GPU:
 
     python bench/gpu_check.py [--out DIR]
     python bench/gpu_check.py --dry-run      # CPU, shrunken configs, drilled OOM: under a minute
@@ -79,6 +81,24 @@ DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
         "text_encoder_2": _SMALL_CLIP,
         "vae": _SMALL_VAE,
     },
+    "sd3": {
+        "transformer": {
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "num_layers": 2,
+            "dual_attention_layers": [0],
+            # T5's width; the two CLIPs' 32 + 32 are zero-padded up to it
+            "joint_attention_dim": 64,
+            "caption_projection_dim": 32,
+            "pooled_projection_dim": 64,  # the two CLIP projections, concatenated
+            "pos_embed_max_size": 32,
+            "sample_size": 16,
+        },
+        "text_encoder": _SMALL_CLIP,
+        "text_encoder_2": _SMALL_CLIP,
+        "text_encoder_3": {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2},
+        "vae": _SMALL_VAE,
+    },
 }
 
 
@@ -88,11 +108,20 @@ class Case:
     size: int
     min_vram_gb: float  # measured-style estimates for full residency in 16-bit
     rung_vram_gb: dict[str, float]
+    quantize: dict[str, str] = field(default_factory=dict)
 
 
 CASES = (
     Case("sd15", 512, 4.0, {"model_offload": 2.5, "group_offload": 1.0}),
     Case("sdxl", 1024, 10.0, {"model_offload": 6.0, "group_offload": 3.0}),
+    # sd35-medium's manifest: T5-XXL in int8, compiled at full.
+    Case(
+        "sd3",
+        1024,
+        14.0,
+        {"model_offload": 12.5, "group_offload": 3.0},
+        {"text_encoder_3": "int8"},
+    ),
 )
 
 
@@ -104,6 +133,8 @@ class Report:
     rungs: list[dict[str, Any]] = field(default_factory=list)
     compile: list[dict[str, Any]] = field(default_factory=list)
     int8: dict[str, Any] = field(default_factory=dict)
+    int8_t5: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
     oom: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -139,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         for case in CASES:
             _check_rungs(report, settings, manifests[case.family], case, steps, args.dry_run, left)
         _check_compile(report, settings, manifests, steps, args, left)
-        _check_int8(report, settings, manifests["sdxl"], cuda)
+        _check_profile(report, settings, cuda)
+        report.int8 = _check_int8(report, settings, manifests["sdxl"], "text_encoder_2", cuda)
+        report.int8_t5 = _check_int8(report, settings, manifests["sd3"], "text_encoder_3", cuda)
         _check_oom(report, settings, manifests["sdxl"], steps, args.dry_run, cuda)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -191,11 +224,13 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
     import diffusers
     import transformers
 
-    from worker.tiny import _clip_tokenizer  # the same offline byte-level CLIP tokenizer
+    # the same offline tokenizers as the tiny models
+    from worker.tiny import _clip_tokenizer, _t5_tokenizer
 
     directory = CONFIGS / case.family
     shrink = DRY_RUN[case.family] if dry_run else {}
     tokenizer = _clip_tokenizer()
+    t5_tokenizer = _t5_tokenizer()
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -211,12 +246,21 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
             config.update(shrink.get(name, {}))
             if name == "scheduler":
                 components[name] = getattr(diffusers, class_name).from_config(config)
+            elif name == "text_encoder_3":
+                t5_ids = {
+                    "pad_token_id": t5_tokenizer.pad_token_id,
+                    "eos_token_id": t5_tokenizer.eos_token_id,
+                    "decoder_start_token_id": t5_tokenizer.pad_token_id,
+                }
+                t5_config = transformers.T5Config(**config, **t5_ids)
+                components[name] = transformers.T5EncoderModel(t5_config)
             elif name.startswith("text_encoder"):
                 model_cls = getattr(transformers, class_name)
                 components[name] = model_cls(transformers.CLIPTextConfig(**config, **ids))
             else:
                 components[name] = getattr(diffusers, class_name).from_config(config)
-    dtype = torch.float16 if cuda else torch.float32
+    # sd3 overflows in fp16; kiln casts at load to the dtype it chooses anyway.
+    dtype = (torch.bfloat16 if case.family == "sd3" else torch.float16) if cuda else torch.float32
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.to(dtype=dtype).eval()
@@ -228,9 +272,16 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
             requires_safety_checker=False,
             **components,
         )
-    else:
+    elif case.family == "sdxl":
         pipe = diffusers.StableDiffusionXLPipeline(
             tokenizer=tokenizer, tokenizer_2=_clip_tokenizer(), add_watermarker=False, **components
+        )
+    else:
+        pipe = diffusers.StableDiffusion3Pipeline(
+            tokenizer=tokenizer,
+            tokenizer_2=_clip_tokenizer(),
+            tokenizer_3=t5_tokenizer,
+            **components,
         )
     target = models_dir / f"check-{case.family}"
     pipe.save_pretrained(target, safe_serialization=True)
@@ -247,6 +298,7 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
         resolutions=[(size, size)],
         min_vram_gb=case.min_vram_gb,
         rung_vram_gb=case.rung_vram_gb,  # type: ignore[arg-type]
+        quantize=case.quantize,  # type: ignore[arg-type]
     )
 
 
@@ -380,20 +432,22 @@ def _check_compile(
             report.failures.append(f"compile {label}: did not compile")
 
 
-# 4. int8 of SDXL's big text encoder: weight bytes and device memory with and without
+# 4. int8 of a big text encoder (SDXL's second CLIP, SD3's T5): weight bytes and device memory
 
 
-def _check_int8(report: Report, settings: Settings, manifest: Manifest, cuda: bool) -> None:
+def _check_int8(
+    report: Report, settings: Settings, manifest: Manifest, component: str, cuda: bool
+) -> dict[str, Any]:
     from worker.device import probe
 
     info = probe(settings)
-    figures: dict[str, Any] = {"component": "text_encoder_2"}
-    for label, quantize in (("bf16_or_fp32", {}), ("int8", {"text_encoder_2": "int8"})):
+    figures: dict[str, Any] = {"component": component}
+    for label, quantize in (("bf16_or_fp32", {}), ("int8", {component: "int8"})):
         variant = manifest.model_copy(update={"quantize": quantize})
         if cuda:
             torch.cuda.empty_cache()
         loaded = load_pipeline(variant, "full", info, settings, FaultPlan())
-        kinds, weight_bytes = weight_summary(loaded.pipe.text_encoder_2)
+        kinds, weight_bytes = weight_summary(getattr(loaded.pipe, component))
         figures[label] = {
             "weight_types": sorted(kinds),
             "weight_bytes": weight_bytes,
@@ -415,12 +469,60 @@ def _check_int8(report: Report, settings: Settings, manifest: Manifest, cuda: bo
     figures["device_drop_mb"] = round(
         figures["bf16_or_fp32"]["pipeline_device_mb"] - figures["int8"]["pipeline_device_mb"], 1
     )
-    report.int8 = figures
     if figures["int8"]["weight_types"] != ["Int8Tensor"] or after >= before:
-        report.failures.append(f"int8: weights did not shrink: {before} -> {after} bytes")
+        report.failures.append(f"int8 {component}: weights did not shrink: {before} -> {after}")
+    return figures
 
 
-# 5. A real OOM: cap this process's share of the card below SDXL's full-rung need
+# 5. The card against kiln's profile of it: what KILN_DEVICE_PROFILE decides with is what it has
+
+
+def _check_profile(report: Report, settings: Settings, cuda: bool) -> None:
+    from worker.device import probe_real
+    from worker.profiles import GIB, PROFILES, profile_for
+
+    if not cuda:
+        report.profile = {"skipped": "no GPU: nothing to compare a profile with"}
+        return
+    info = probe_real(settings)
+    name = profile_for(info.name)
+    reported = {
+        "card": info.name,
+        "backend": info.backend,
+        "total_gib": round(info.total_bytes / GIB, 2),
+        "free_gib": round(info.free_bytes / GIB, 2),
+        "bf16": info.bf16,
+        "fp8": info.fp8,
+        "capability": list(info.capability or ()),
+    }
+    if name is None:
+        report.profile = {"reported": reported, "profile": None}
+        report.skipped.append(f"profile: no kiln profile for {info.name}")
+        return
+    p = PROFILES[name]
+    profiled = {
+        "backend": p.backend,
+        "total_gib": p.total_gib,
+        "free_gib": round(p.free_gib, 2),
+        "bf16": p.bf16,
+        "fp8": p.fp8,
+        "capability": list(p.capability or ()),
+    }
+    report.profile = {"profile": name, "reported": reported, "profiled": profiled}
+    for key in ("backend", "bf16", "fp8", "capability"):
+        if reported[key] != profiled[key]:
+            report.failures.append(
+                f"profile {name}: {key} {profiled[key]} but the card says {reported[key]}"
+            )
+    # Datasheet memory vs what the driver reports: within 10 % (a T4's 16 GB shows as about
+    # 15 GiB, less with ECC on: the driver keeps the rest), else the profile is wrong.
+    if abs(reported["total_gib"] - p.total_gib) > 0.10 * p.total_gib:
+        report.failures.append(
+            f"profile {name}: total {p.total_gib} GiB but the card reports {reported['total_gib']}"
+        )
+
+
+# 6. A real OOM: cap this process's share of the card below SDXL's full-rung need
 
 
 def _check_oom(
@@ -475,13 +577,15 @@ def _print(report: Report, path: Path) -> None:
             f" warm {entry['warm_denoise_s']:.3f}s,"
             f" speedup {entry.get('speedup', '?')}x, recompiles {entry['recompiles_after_warmup']}"
         )
-    if report.int8:
-        i = report.int8
-        print(
-            f"  int8 text_encoder_2: {i['bf16_or_fp32']['weight_mb']} MB"
-            f" -> {i['int8']['weight_mb']} MB"
-            f" weights; device drop {i['device_drop_mb']} MB"
-        )
+    for i in (report.int8, report.int8_t5):
+        if i:
+            print(
+                f"  int8 {i['component']}: {i['bf16_or_fp32']['weight_mb']} MB"
+                f" -> {i['int8']['weight_mb']} MB"
+                f" weights; device drop {i['device_drop_mb']} MB"
+            )
+    if report.profile:
+        print(f"  profile: {report.profile}")
     if report.oom:
         print(f"  oom ({report.oom['how']}): attempts {report.oom.get('attempts')}")
     for line in report.skipped:

@@ -15,6 +15,10 @@ import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+# No test may reach the network: huggingface_hub reads this when it is first imported, and every
+# `kiln` subprocess inherits it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
 TEST_DB = 13

@@ -102,7 +102,7 @@ def test_a_timeout_inside_a_guarded_step_still_ends_the_job(
     renderer = make_renderer(settings, ["tiny-sd15"])
     renderer.render({"model": "tiny-sd15", "prompt": "warm", "steps": 1}, LocalContext("warm-up"))
     client = client_for(redis_conn, settings)
-    stuck = client.submit({"model": "tiny-sd15", "prompt": "stuck", "steps": 8})
+    stuck = client.submit({"model": "tiny-sd15", "prompt": "stuck", "steps": 8, "previews": True})
     quick = client.submit({"model": "tiny-sd15", "prompt": "quick", "steps": 1})
     started = time.monotonic()
     burst(redis_conn, renderer, ["tiny-sd15"])

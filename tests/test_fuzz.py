@@ -55,6 +55,7 @@ plausible = {
     "seed": st.integers(min_value=-10, max_value=2**33),
     "num_images": st.integers(min_value=-1, max_value=6),
     "output_format": st.sampled_from(["png", "webp", "jpeg", "gif", ""]),
+    "previews": st.sampled_from([False, True, 0, "yes"]),
     "webhook": st.sampled_from([None, "nope", "https://attacker.example/hook", "", "a" * 65]),
 }
 

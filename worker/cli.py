@@ -115,7 +115,19 @@ def _parser() -> argparse.ArgumentParser:
         "doctor", help="device, memory, dtypes, attention, compile, torchao, Redis"
     )
     doctor.add_argument("--model", help="also load this model and print its switch report")
+    doctor.add_argument(
+        "--profile",
+        help="decide as this card (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB): the rung,"
+        " dtype, switches and quantize schemes of every manifest there; exit 1 if one cannot run",
+    )
     doctor.set_defaults(handler=_doctor)
+
+    pull = verbs.add_parser(
+        "pull",
+        help="fetch manifests' weights into the Hugging Face cache before any job needs them",
+    )
+    pull.add_argument("--models", help="comma-separated model ids (default: every manifest)")
+    pull.set_defaults(handler=_pull)
 
     bench = verbs.add_parser(
         "bench", help="a prompt suite over a matrix of models/steps/sizes/settings"
@@ -298,7 +310,24 @@ def _manifests_publish(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from worker.doctor import run_doctor
 
-    return run_doctor(_settings(), model=args.model)
+    return run_doctor(_settings(), model=args.model, profile=args.profile)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from worker.errors import ManifestDirectoryInvalid
+    from worker.manifest import load_manifests
+    from worker.pull import PullError, pull
+
+    settings = _settings()
+    only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    try:
+        manifests = load_manifests(settings.manifests, only)
+        pulled = pull(manifests, settings.models_dir)
+    except (ManifestDirectoryInvalid, PullError) as exc:
+        print(f"kiln pull: {exc}", file=sys.stderr)
+        return 1
+    print(f"kiln pull: {len(manifests)} models ready, {len(pulled)} fetched")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+import psutil
 import torch
 
 from worker.settings import Settings
@@ -24,11 +25,19 @@ class DeviceInfo:
     name: str
     total_bytes: int
     free_bytes: int  # as measured, before reserve and budget
-    bf16: bool
+    bf16: bool  # native: emulated bf16 (T4, V100) is slower than fp16 and does not count
     fp16: bool
+    fp8: bool = False
+    capability: tuple[int, int] | None = None  # CUDA compute capability; None off CUDA/ROCm
+    streams: bool = False  # copy streams for group offload's prefetch
+    compile_default: bool = False  # KILN_COMPILE=auto compiles at the full rung
+    # A device profile's name when decisions are made as that card (KILN_DEVICE_PROFILE): then
+    # backend and the fields above describe the profile, torch_device the real device.
+    simulated: str | None = None
 
     @property
     def accelerator(self) -> bool:
+        """Decisions: whether to decide as an accelerator (also true for a simulated card)."""
         return self.backend != "cpu"
 
 
@@ -47,6 +56,37 @@ def prepare_backend() -> None:
 
 
 def probe(settings: Settings) -> DeviceInfo:
+    """The real device, or with KILN_DEVICE_PROFILE a profile's decisions on the real device."""
+    real = probe_real(settings)
+    if settings.device_profile is None:
+        return real
+    return simulate(settings.device_profile, real)
+
+
+def simulate(value: str, real: DeviceInfo) -> DeviceInfo:
+    """Decide as the profiled card would; torch_device stays the real one, so every torch.cuda
+    call (keyed off torch_device) still goes to the device that holds the tensors."""
+    from worker.profiles import GIB, parse_profile
+
+    profile, free_gib = parse_profile(value)
+    total = int(profile.total_gib * GIB)
+    return DeviceInfo(
+        backend=profile.backend,
+        torch_device=real.torch_device,
+        name=profile.card,
+        total_bytes=total,
+        free_bytes=int((free_gib if free_gib is not None else profile.free_gib) * GIB),
+        bf16=profile.bf16,
+        fp16=profile.fp16,
+        fp8=profile.fp8,
+        capability=profile.capability,
+        streams=profile.streams,
+        compile_default=profile.compile_default,
+        simulated=profile.name,
+    )
+
+
+def probe_real(settings: Settings) -> DeviceInfo:
     prepare_backend()
     device = pick_torch_device(settings.device)
     if device.startswith("cuda"):
@@ -55,21 +95,35 @@ def probe(settings: Settings) -> DeviceInfo:
         index = torch.device(device).index or 0
         _free, total = torch.cuda.mem_get_info(index)
         props = torch.cuda.get_device_properties(index)
+        capability = (int(props.major), int(props.minor))
         return DeviceInfo(
             backend="rocm" if torch.version.hip is not None else "cuda",
             torch_device=device,
             name=props.name,
             total_bytes=total,
             free_bytes=_cuda_free_bytes(device),
-            bf16=torch.cuda.is_bf16_supported(),
+            # Native only: with emulation counted, a T4 would get slow bf16 instead of fp16.
+            bf16=torch.cuda.is_bf16_supported(including_emulation=False),
             fp16=True,
+            # fp8 tensor cores: Ada/Hopper (sm89+), CDNA3 (gfx942, which HIP reports as 9.4)
+            fp8=capability >= ((9, 4) if torch.version.hip is not None else (8, 9)),
+            capability=capability,
+            streams=True,
+            compile_default=True,
         )
     if device == "mps":
         # MPS shares host memory; bf16 arrived with macOS 14.
         bf16 = bool(torch.backends.mps.is_macos_or_newer(14, 0))
         total = _host_total_bytes()
         return DeviceInfo(
-            "mps", "mps", "Apple MPS", total, _host_available_bytes(), bf16=bf16, fp16=True
+            "mps",
+            "mps",
+            "Apple MPS",
+            total,
+            _host_available_bytes(),
+            bf16=bf16,
+            fp16=True,
+            compile_default=True,
         )
     return DeviceInfo(
         "cpu",
@@ -83,7 +137,12 @@ def probe(settings: Settings) -> DeviceInfo:
 
 
 def free_bytes(info: DeviceInfo) -> int:
-    """Free memory now: on CUDA, mem_get_info plus what torch holds reserved but not allocated."""
+    """Free memory now: on CUDA, mem_get_info plus what torch holds reserved but not allocated.
+
+    A simulated card's free memory is its profile's, fixed; what kiln holds resident is counted
+    by the caller (Renderer.usable_gb)."""
+    if info.simulated is not None:
+        return info.free_bytes
     if info.torch_device.startswith("cuda"):
         return _cuda_free_bytes(info.torch_device)
     return _host_available_bytes()
@@ -101,7 +160,7 @@ def allocated_bytes(info: DeviceInfo) -> int:
     """Device memory held in tensors; on CPU torch keeps no count, so the resident set size."""
     if info.torch_device.startswith("cuda"):
         return int(torch.cuda.memory_allocated(info.torch_device))
-    if info.backend == "mps":
+    if info.torch_device == "mps":
         return int(torch.mps.current_allocated_memory())
     return _process_rss_bytes()
 
@@ -122,14 +181,14 @@ def synchronize(info: DeviceInfo) -> None:
     """Phase boundaries wait for queued GPU work, so a phase is charged for its own kernels."""
     if info.torch_device.startswith("cuda"):
         torch.cuda.synchronize(info.torch_device)
-    elif info.backend == "mps":
+    elif info.torch_device == "mps":
         torch.mps.synchronize()
 
 
 def empty_cache(info: DeviceInfo) -> None:
     if info.torch_device.startswith("cuda"):
         torch.cuda.empty_cache()
-    elif info.backend == "mps":
+    elif info.torch_device == "mps":
         torch.mps.empty_cache()
     else:
         _trim_host_heap()
@@ -161,34 +220,18 @@ def _trim_host_heap() -> None:
         return
 
 
-def _meminfo() -> dict[str, int]:
-    values: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
-
-
 def _host_total_bytes() -> int:
-    return _meminfo().get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(psutil.virtual_memory().total)
 
 
 def _host_available_bytes() -> int:
-    return _meminfo().get("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
-        "SC_AVPHYS_PAGES"
-    )
+    # psutil on every OS: macOS has no SC_AVPHYS_PAGES (os.sysconf raised there), and counting
+    # free pages alone would leave out the inactive memory the OS hands back on demand.
+    return int(psutil.virtual_memory().available)
 
 
 def _process_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    return int(psutil.Process().memory_info().rss)
 
 
 def _cpu_name() -> str:

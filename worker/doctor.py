@@ -20,7 +20,8 @@ from worker.errors import OutOfMemory
 from worker.faults import FaultPlan
 from worker.ladder import GB, Ladder, pick_rung, usable_gb
 from worker.loading import load_pipeline
-from worker.quantize import torchao_version, unsupported_reason
+from worker.plan import ModelPlan, plan_model
+from worker.quantize import torchao_version, try_scheme, unsupported_reason
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import SWITCH_NAMES, Settings
 
@@ -56,16 +57,46 @@ class DoctorReport:
     redis: str
     redis_ok: bool
     model: ModelCheck | None = None
+    plans: list[ModelPlan] | None = None  # with --profile: every manifest on that card
+    served: tuple[str, ...] = ()  # the plans' models a worker would serve (not benchmark_only)
 
     @property
     def ok(self) -> bool:
-        return self.redis_ok and (self.model is None or self.model.error is None)
+        """With --profile: every served model can run on the card (Redis is not the question);
+        else Redis answers and the model, if any, loaded."""
+        model_ok = self.model is None or self.model.error is None
+        if self.plans is not None:
+            return model_ok and all(p.runs for p in self.plans if p.model in self.served)
+        return self.redis_ok and model_ok
 
 
-def run_doctor(settings: Settings, model: str | None = None) -> int:
+def run_doctor(settings: Settings, model: str | None = None, profile: str | None = None) -> int:
+    if profile is not None:
+        from worker.profiles import parse_profile
+
+        try:
+            parse_profile(profile)
+        except ValueError as exc:
+            print(f"kiln doctor: {exc}")
+            return 2
+        settings = settings.model_copy(update={"device_profile": profile.strip().lower()})
     report = collect(settings, model)
+    if profile is not None:
+        report.plans, report.served = plan_manifests(settings, report)
     print(format_report(report, settings))
     return 0 if report.ok else 1
+
+
+def plan_manifests(
+    settings: Settings, report: DoctorReport
+) -> tuple[list[ModelPlan], tuple[str, ...]]:
+    """Every manifest's plan on the (simulated) card, and the ids a worker would serve."""
+    from api_client.manifest import load_manifest_dir
+
+    manifests, _failures = load_manifest_dir(settings.manifests)
+    plans = [plan_model(m, report.info, settings, report.usable_gb) for m in manifests.values()]
+    served = tuple(m.id for m in manifests.values() if not m.benchmark_only)
+    return sorted(plans, key=lambda p: p.model), served
 
 
 def collect(settings: Settings, model: str | None = None) -> DoctorReport:
@@ -111,11 +142,47 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  store         {_store_line(settings)}",
         "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
     ]
+    if info.simulated is not None:
+        lines[1:1] = _profile_lines(info)
+    if report.plans is not None:
+        lines += _plan_lines(report.plans, report.served)
     if report.model is not None:
         lines += _model_lines(report.model)
-    else:
+    elif report.plans is None:
         lines.append("  (`kiln doctor --model ID` loads a model and reports what each switch did)")
     return "\n".join(lines)
+
+
+def _profile_lines(info: DeviceInfo) -> list[str]:
+    from worker.profiles import PROFILES
+
+    profile = PROFILES[info.simulated or ""]
+    capability = "" if info.capability is None else f" sm{info.capability[0]}{info.capability[1]},"
+    return [
+        f"  profile       {profile.name}: decisions as {profile.card} ({profile.backend},"
+        f"{capability} fp8 {_yes(info.fp8)}, copy streams {_yes(info.streams)},"
+        f" compile default {'on' if info.compile_default else 'off'});"
+        f" tensors stay on {info.torch_device}",
+        f"  source        {profile.source}",
+    ]
+
+
+def _plan_lines(plans: list[ModelPlan], served: tuple[str, ...]) -> list[str]:
+    lines = ["plans", f"  {'model':<18} {'rung':<14} {'dtype':<6} runs"]
+    for plan in plans:
+        runs = "yes" if plan.runs else "NO"
+        note = "" if plan.model in served else " (benchmark only)"
+        lines.append(f"  {plan.model:<18} {plan.rung:<14} {plan.dtype:<6} {runs}{note}")
+    for plan in plans:
+        lines += [
+            f"model {plan.model}",
+            f"  rung          {plan.rung} ({plan.rung_reason})",
+            f"  dtype         {plan.dtype} ({plan.dtype_reason})",
+        ]
+        lines += [f"  {kind:<13} {name}: {reason}" for kind, name, reason in plan.switches]
+        lines += [f"  quantize      {c} {verdict}" for c, verdict in plan.quantize.items()]
+        lines += [f"  CANNOT RUN    {problem}" for problem in plan.problems]
+    return lines
 
 
 def _model_lines(check: ModelCheck) -> list[str]:
@@ -190,13 +257,24 @@ def _compile_line(settings: Settings, info: DeviceInfo) -> str:
 
 
 def _torchao(info: DeviceInfo) -> dict[str, str]:
+    """Each scheme: the card's verdict, then a real try on a small linear layer on the real
+    device (a scheme the card allows can still lack its kernel package, e.g. int4)."""
     version = torchao_version()
     if version is None:
         return {"import": "not importable: every quantize entry will be skipped"}
     schemes = {}
     for scheme in ("int8", "int8_dynamic", "int4", "fp8"):
         reason = unsupported_reason(scheme, info)
-        schemes[scheme] = "ok" if reason is None else f"skipped ({reason})"
+        if reason is not None:
+            schemes[scheme] = f"skipped ({reason})"
+            continue
+        failure = try_scheme(scheme, info.torch_device)
+        where = info.torch_device
+        schemes[scheme] = (
+            f"ok (quantized and ran a linear layer on {where})"
+            if failure is None
+            else f"fails on {where} ({failure})"
+        )
     return {"version": version, **schemes}
 
 

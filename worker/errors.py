@@ -54,6 +54,11 @@ class OutputError(RuntimeError):
     """The output directory cannot take the job's files (missing permission, full disk...)."""
 
 
+class OtherRequest(OutputError):
+    """A job id's stored result was rendered from a different request; never answer with it,
+    never render over it."""
+
+
 class InvalidFaults(ValueError):
     """KILN_FAULTS does not parse; the message shows the grammar."""
 

@@ -44,10 +44,18 @@ def rung_need_gb(manifest: Manifest, rung: Rung) -> float:
     return manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * default_share)
 
 
+def planning_gb(usable: float, fp32_on_accelerator: bool) -> float:
+    """Memory to weigh the manifest's needs against: min_vram_gb and rung_vram_gb are measured
+    with 16-bit weights, so a model that must run fp32 on a card (sd3 on a T4: no bf16, and
+    fp16 overflows) needs about twice as much; halving what is usable says the same."""
+    return usable / 2 if fp32_on_accelerator else usable
+
+
 @dataclass(frozen=True)
 class RungChoice:
     rung: Rung
     reason: str
+    usable_gb: float | None = None  # what the choice planned with, when it looked at memory
 
 
 def usable_gb(
@@ -81,17 +89,116 @@ def pick_rung(manifest: Manifest, usable: float, mode: str) -> RungChoice:
     )
 
 
+def rung_rank(rung: Rung) -> int:
+    """0 for full; larger is lower on the ladder (less memory, slower)."""
+    return RUNGS.index(rung)
+
+
+@dataclass
+class Ceiling:
+    """The highest rung that worked at one size after a higher rung ran out of memory."""
+
+    rung: Rung
+    usable_gb: float  # what the model could plan with when the higher rung failed
+    clean_jobs: int = 0  # jobs at this size since, none of them out of memory
+
+
 @dataclass
 class RungMemory:
-    """The rung that last worked per (model, width, height), so the next job starts there."""
+    """Per (model, width, height), the rung a size was pushed down to by an out-of-memory error.
 
-    _worked: dict[tuple[str, int, int], Rung] = field(default_factory=dict)
+    A ceiling is forgotten, so the next job at that size tries higher again, after
+    `forget_after` clean jobs at that size, or when the memory the model may plan with has
+    grown by `grown_gb` since the failure (another model evicted, a budget raised). A job that
+    succeeds higher than its ceiling (the resident rung was higher) lifts it at once.
+    """
 
-    def get(self, model_id: str, width: int, height: int) -> Rung | None:
-        return self._worked.get((model_id, width, height))
+    forget_after: int = 50
+    grown_gb: float = 1.0
+    _ceilings: dict[tuple[str, int, int], Ceiling] = field(default_factory=dict)
 
-    def remember(self, model_id: str, width: int, height: int, rung: Rung) -> None:
-        self._worked[(model_id, width, height)] = rung
+    def get(
+        self, model_id: str, width: int, height: int, usable_gb: float | None = None
+    ) -> Rung | None:
+        key = (model_id, width, height)
+        ceiling = self._ceilings.get(key)
+        if ceiling is None:
+            return None
+        if usable_gb is not None and usable_gb >= ceiling.usable_gb + self.grown_gb:
+            del self._ceilings[key]
+            return None
+        return ceiling.rung
+
+    def ceilings(self, model_id: str) -> dict[tuple[int, int], Rung]:
+        """Every size of this model held below the top of the ladder, with its ceiling."""
+        return {(w, h): c.rung for (m, w, h), c in self._ceilings.items() if m == model_id}
+
+    def remember(
+        self,
+        model_id: str,
+        width: int,
+        height: int,
+        rung: Rung,
+        *,
+        pushed_down: bool = True,
+        usable_gb: float = 0.0,
+    ) -> None:
+        """A job at this size succeeded at rung; pushed_down when a higher rung failed first."""
+        key = (model_id, width, height)
+        if pushed_down:
+            self._ceilings[key] = Ceiling(rung, usable_gb)
+            return
+        ceiling = self._ceilings.get(key)
+        if ceiling is None:
+            return
+        ceiling.clean_jobs += 1
+        if rung_rank(rung) < rung_rank(ceiling.rung) or ceiling.clean_jobs >= self.forget_after:
+            del self._ceilings[key]
+
+
+def choose_rung(
+    manifest: Manifest,
+    resident: _Resident | None,
+    ceiling: Rung | None,
+    ceilings: dict[tuple[int, int], Rung],
+    usable: float,
+) -> RungChoice:
+    """Auto mode, for one job: its size's ceiling (a rung an OOM pushed it down to) or the
+    estimate, weighed against the rung the model is resident at, so that sizes with different
+    ceilings do not reload the model at each switch:
+
+    - at or below the ceiling, the resident rung is kept (a lower rung needs less memory);
+    - without a ceiling, a resident rung below the estimate is kept while some size of this
+      model still has a ceiling at or below it, and otherwise the model goes back up;
+    - a resident rung above the estimate is kept (it has worked; an OOM would push it down).
+    """
+    if ceiling is not None:
+        if resident is not None and rung_rank(resident.rung) >= rung_rank(ceiling):
+            why = f"resident at {resident.rung}, at or below this size's remembered {ceiling}"
+            return RungChoice(resident.rung, f"remembered: {why}", usable)
+        return RungChoice(ceiling, "remembered: worked after an OOM at this model and size", usable)
+    estimate = pick_rung(manifest, usable, "auto")
+    estimate = RungChoice(estimate.rung, estimate.reason, usable)
+    if resident is None:
+        return estimate
+    if rung_rank(resident.rung) <= rung_rank(estimate.rung):
+        return RungChoice(resident.rung, "already resident", usable)
+    held = [
+        f"{w}x{h}" for (w, h), r in ceilings.items() if rung_rank(r) >= rung_rank(resident.rung)
+    ]
+    if held:
+        why = f"already resident at {resident.rung}: {', '.join(held)} remembered at or below it"
+        return RungChoice(resident.rung, why, usable)
+    return RungChoice(
+        estimate.rung,
+        f"back up from {resident.rung}: no size remembers a lower rung; {estimate.reason}",
+        usable,
+    )
+
+
+class _Resident(Protocol):
+    @property
+    def rung(self) -> Rung: ...
 
 
 class OnRung(Protocol):

@@ -18,6 +18,7 @@ from worker.manifest import weights_source
 from worker.resident import DTYPES, LoadedPipeline
 from worker.settings import Settings
 from worker.switches import apply_compile, apply_switches
+from worker.vae import load_vae_override, upcast_before_placement
 
 
 def import_pipeline_classes(manifests: list[Manifest]) -> None:
@@ -70,12 +71,15 @@ def load_pipeline(
         kwargs["variant"] = manifest.variant
     if manifest.family in ("sd15", "sd2"):
         kwargs.update(safety_checker=None, requires_safety_checker=False)
+    if manifest.vae is not None:
+        kwargs["vae"] = load_vae_override(manifest, settings.models_dir, dtype)
     pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     loaded = LoadedPipeline(manifest=manifest, pipe=pipe, rung=rung, dtype=dtype, settings=report)
     # 3. Scheduler, quantization, switches, placement, compile: each reports what it did.
     _set_scheduler(pipe, manifest)
     apply_switches(loaded, info, settings)
+    upcast_before_placement(loaded)
     _place(pipe, rung, info)
     apply_compile(loaded, info, settings)
     dev.synchronize(info)
@@ -113,7 +117,8 @@ def _place(pipe: Any, rung: Rung, info: DeviceInfo) -> None:
     elif rung == "model_offload":
         pipe.enable_model_cpu_offload(device=target)
     else:
-        cuda = target.type == "cuda"
+        # Streams need the real device to have them, whatever card the decisions are made as.
+        cuda = target.type == "cuda" and info.streams
         pipe.enable_group_offload(
             onload_device=target,
             offload_device=torch.device("cpu"),

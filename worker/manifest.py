@@ -53,7 +53,11 @@ def weights_source(
     if as_path.is_absolute() or source.startswith(("./", "../")) or "/" not in source:
         path = as_path if as_path.is_absolute() else models_dir / as_path
         if not (path / marker).is_file():
-            hint = " (run `kiln tiny-models`)" if manifest.id.startswith("tiny-") else ""
+            hint = (
+                " (build it: `kiln tiny-models`)"
+                if manifest.id.startswith("tiny-")
+                else f" (build it as manifests/{manifest.id}.yaml describes, with save_pretrained)"
+            )
             raise FileNotFoundError(
                 f"model {manifest.id}: source {source!r} resolves to {path}, which holds no "
                 f"{marker}{hint}"

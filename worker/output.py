@@ -11,7 +11,7 @@ from pathlib import Path
 from PIL import Image
 
 from api_client.schema import ImageFile, OutputFormat, RenderResult
-from worker.errors import OutputError
+from worker.errors import OtherRequest, OutputError
 
 RESULT_FILE = "result.json"
 RECORDED_MARK = ".recorded"  # the job's timing record was written (after result.json)
@@ -98,13 +98,28 @@ def write_result(output_dir: Path, result: RenderResult) -> None:
         raise OutputError(f"cannot write {path}: {exc}") from exc
 
 
-def finished_result(output_dir: Path, job_id: str) -> RenderResult | None:
-    """The result of a job already completed on disk (a worker died before reporting it)."""
+def finished_result(output_dir: Path, job_id: str, request_digest: str) -> RenderResult | None:
+    """The result of this request completed on disk (a worker died before reporting it)."""
     path = job_dir(output_dir, job_id) / RESULT_FILE
     try:
-        return RenderResult.model_validate_json(path.read_bytes())
+        result = RenderResult.model_validate_json(path.read_bytes())
     except (OSError, ValueError):
         return None
+    return same_request(result, request_digest, str(path))
+
+
+def same_request(result: RenderResult, request_digest: str, where: str) -> RenderResult:
+    """result, if it answers this request; OtherRequest when the job id's result came from a
+    different request (or from a kiln that kept no digest): answering with it would hand back
+    someone else's images, and rendering over it would destroy them."""
+    if result.request_sha256 != request_digest:
+        stored = (result.request_sha256 or "missing")[:12]
+        raise OtherRequest(
+            f"job {result.job_id}: {where} holds the result of a different request"
+            f" (request_sha256 {stored}, this request {request_digest[:12]});"
+            " submit it under a new job id"
+        )
+    return result
 
 
 def mark_recorded(output_dir: Path, job_id: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 import torch
 
@@ -37,15 +38,57 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def unsupported_reason(scheme: str, info: DeviceInfo) -> str | None:
-    """Why this stack cannot run scheme on this device, or None if it can."""
-    if scheme in ("int4", "fp8") and not info.torch_device.startswith("cuda"):
+    """Why the card (real or simulated) cannot run scheme, or None if its hardware can.
+
+    Decided from DeviceInfo alone, never from torch.cuda: under KILN_DEVICE_PROFILE the
+    decisions are the profiled card's while the tensors stay on the real device."""
+    if scheme in ("int4", "fp8") and info.backend not in ("cuda", "rocm"):
         return f"{scheme} needs a CUDA device (torchao kernels); this is {info.backend}"
     if scheme == "fp8" and info.backend == "cuda":
-        major, minor = torch.cuda.get_device_capability(info.torch_device)
+        major, minor = info.capability or (0, 0)
         if (major, minor) < (8, 9):
             return f"fp8 needs compute capability 8.9+; {info.name} is {major}.{minor}"
     if scheme == "int4" and info.backend == "rocm":
         return "int4 tinygemm kernels are not built for ROCm"
+    return None
+
+
+def scheme_config(scheme: str) -> Any:
+    """The torchao config for scheme. set_inductor_config=False: by default torchao rewrites
+    global Inductor settings (coordinate descent tuning, fused int mm) for the whole process,
+    which would change every other model's compile in this worker."""
+    from torchao.quantization import (
+        Float8WeightOnlyConfig,
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+    )
+
+    configs = {
+        "int8": Int8WeightOnlyConfig,
+        "int8_dynamic": Int8DynamicActivationInt8WeightConfig,
+        "int4": Int4WeightOnlyConfig,
+        "fp8": Float8WeightOnlyConfig,
+    }
+    return configs[scheme](set_inductor_config=False)
+
+
+def try_scheme(scheme: str, torch_device: str) -> str | None:
+    """Quantize a small linear layer on the real device and run it: None when that works, else
+    why not (int4 needs a kernel package kiln does not install, fp8 a recent card...)."""
+    try:
+        from torchao.quantization import quantize_
+    except ImportError as exc:
+        return f"torchao is not importable: {exc}"
+    dtype = torch.float32 if torch_device == "cpu" else torch.bfloat16
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 256, dtype=dtype)).to(torch_device)
+    try:
+        quantize_(layer, scheme_config(scheme))
+        with torch.inference_mode():
+            layer(torch.randn(2, 256, dtype=dtype, device=torch_device))
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"{type(exc).__name__}: {first}"
     return None
 
 
@@ -55,23 +98,13 @@ def quantize_component(module: torch.nn.Module, scheme: str, info: DeviceInfo) -
     if reason is not None:
         return reason
     try:
-        from torchao.quantization import (
-            Float8WeightOnlyConfig,
-            Int4WeightOnlyConfig,
-            Int8DynamicActivationInt8WeightConfig,
-            Int8WeightOnlyConfig,
-            quantize_,
-        )
+        from torchao.quantization import quantize_
+
+        config = scheme_config(scheme)
     except ImportError as exc:
         return f"torchao is not importable: {exc}"
-    configs = {
-        "int8": Int8WeightOnlyConfig,
-        "int8_dynamic": Int8DynamicActivationInt8WeightConfig,
-        "int4": Int4WeightOnlyConfig,
-        "fp8": Float8WeightOnlyConfig,
-    }
     try:
-        quantize_(module, configs[scheme]())
+        quantize_(module, config)
     except Exception as exc:  # a scheme torchao refuses is reported, not fatal
         return f"torchao refused {scheme}: {type(exc).__name__}: {exc}"
     return None

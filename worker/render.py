@@ -14,7 +14,7 @@ from PIL import Image
 
 from api_client.errors import short
 from api_client.manifest import Manifest, check_servable, resolve_request
-from api_client.schema import Attempt, RenderRequest, RenderResult, Rung
+from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
 from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
@@ -28,12 +28,14 @@ from worker.ladder import (
     Ladder,
     RungChoice,
     RungMemory,
+    choose_rung,
     is_oom,
     pick_rung,
+    planning_gb,
     rung_need_gb,
     usable_gb,
 )
-from worker.loading import load_pipeline
+from worker.loading import choose_dtype, load_pipeline
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
@@ -80,6 +82,7 @@ class Renderer:
             job_id=ctx.job_id,
             worker=self.worker_name,
             device=self.info.torch_device,
+            simulated_device=self.info.simulated,
             model=_requested_model(payload),  # so a refused job still counts against its model
         )
         recorded = False  # this job's one record was written before a crash: write no other
@@ -91,7 +94,8 @@ class Renderer:
             _describe(record, request)
             # 2. A job whose files were completed before a crash is answered from the store,
             #    with one record: the render's, recovered from result.json unless written already.
-            done = self.store.finished_result(ctx.job_id)
+            digest = request_digest(request)
+            done = self.store.finished_result(ctx.job_id, digest)
             if done is not None:
                 recorded = output.recorded(self.settings.output_dir, ctx.job_id)
                 record = TimingRecord.from_result(done)
@@ -110,13 +114,23 @@ class Renderer:
                 reload=lambda rung: self._reload(manifest, rung, ladder, watch, record),
                 phase=lambda: watch.current,
             )
-            self.rungs.remember(manifest.id, request.width or 0, request.height or 0, loaded.rung)
+            # A rung an OOM pushed this size down to is a ceiling for the next jobs at it.
+            pushed_down = any(a.outcome == "oom" and a.rung != loaded.rung for a in record.attempts)
+            size = (request.width or 0, request.height or 0)
+            self.rungs.remember(
+                manifest.id,
+                *size,
+                loaded.rung,
+                pushed_down=pushed_down,
+                usable_gb=choice.usable_gb or 0.0,
+            )
             # 5. Encode and save; result.json last, as the mark of a complete job.
             with watch.phase("image_encode"):
                 encoded = [output.encode_image(image, request.output_format) for image in images]
             with watch.phase("save"):
                 files = self.store.save_images(ctx.job_id, encoded)
             result = self._result(request, ctx, loaded, record, files, watch, started_at)
+            result.request_sha256 = digest
             self.store.write_result(result)
             record.status = "done"
             return result
@@ -147,8 +161,11 @@ class Renderer:
 
     def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
         """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
+        free = dev.free_bytes(self.info)
+        if self.info.simulated is not None:  # a profile's free memory is before kiln loaded
+            free = max(free - self.cache.resident_bytes(), 0)
         return usable_gb(
-            free_bytes=dev.free_bytes(self.info),
+            free_bytes=free,
             reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
             reserve_gb=self.settings.vram_reserve_gb,
             budget_gb=self.settings.vram_budget_gb,
@@ -158,15 +175,20 @@ class Renderer:
     # -- steps 3 and 4 ------------------------------------------------------------------------
 
     def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
-        mode = self.settings.memory_mode
-        if mode == "auto":
-            remembered = self.rungs.get(manifest.id, request.width or 0, request.height or 0)
-            if remembered is not None:
-                return RungChoice(remembered, "remembered: worked last time at this model and size")
-            resident = self.cache.get(manifest.id)
-            if resident is not None:
-                return RungChoice(resident.rung, "already resident")
-        return pick_rung(manifest, self.usable_gb(exclude=manifest.id), mode)
+        if self.settings.memory_mode != "auto":
+            return pick_rung(
+                manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode
+            )
+        # Counting this model's own resident bytes as reclaimable: what it could have reloaded.
+        fp32 = self.info.accelerator and choose_dtype(manifest, self.info)[0] == torch.float32
+        room = planning_gb(self.usable_gb(), fp32)
+        # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
+        grown = room if self.info.accelerator else None
+        size = (request.width or 0, request.height or 0)
+        ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
+        return choose_rung(
+            manifest, self.cache.get(manifest.id), ceiling, self.rungs.ceilings(manifest.id), room
+        )
 
     def _ensure_loaded(
         self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
@@ -273,6 +295,7 @@ class Renderer:
             height=int(request.height or 0),
             rung=loaded.rung,
             device=self.info.torch_device,
+            simulated_device=self.info.simulated,
             dtype=loaded.dtype_name,
             compiled=loaded.compiled,
             quantized=dict(loaded.quantized),

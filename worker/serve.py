@@ -46,6 +46,9 @@ def serve(
     if not servable:
         log.error("no_models", error="no servable manifests (all missing or benchmark_only)")
         return 1
+    # Weights before jobs: a download never runs under a job's timeout.
+    if not ensure_weights(settings, {m: manifests[m] for m in servable}):
+        return 1
     # Heavy imports only now, and all of them before the first job, so no job pays them.
     started = time.perf_counter()
     from worker import device as dev
@@ -97,12 +100,38 @@ def serve(
     return 1
 
 
+def ensure_weights(settings: Settings, manifests: dict[str, Manifest]) -> bool:
+    """Pull whatever the served models lack (progress in the log); False when that fails."""
+    from worker.pull import PullError, missing, pull
+
+    gaps = missing(manifests, settings.models_dir)
+    if not gaps:
+        return True
+    log.info("weights_missing", models=sorted(gaps), reasons=gaps)
+    try:
+        pull(
+            {m: manifests[m] for m in gaps},
+            settings.models_dir,
+            say=lambda line: log.info("pull", progress=line),
+        )
+    except PullError as exc:
+        log.error("weights_unavailable", error=str(exc))
+        return False
+    return True
+
+
 def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     """Render each served model once at each manifest resolution before taking jobs, so load,
     torch.compile (one graph per size) and allocator growth are paid at startup, not by the
     first job of each size. Each warm-up leaves its own (cold) timing record."""
+    import shutil
+    import uuid
+
     from worker.context import LocalContext
 
+    # Unique per start: a fixed id would be answered from the last start's files on disk, and
+    # the warm-up (load, compile) would silently not happen.
+    start = uuid.uuid4().hex[:8]
     for model_id in models:
         manifest = renderer.manifests[model_id]
         for width, height in manifest.resolutions:
@@ -114,9 +143,11 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
                 "width": width,
                 "height": height,
             }
-            job_id = f"prewarm-{worker_name}-{model_id}-{width}x{height}"
+            job_id = f"prewarm-{worker_name}-{start}-{model_id}-{width}x{height}"
             try:
                 renderer.render(request, LocalContext(job_id))
+                # Nobody asked for these images; one directory per start would pile up.
+                shutil.rmtree(renderer.settings.output_dir / job_id, ignore_errors=True)
             except Exception as exc:
                 log.warning(
                     "prewarm_failed", model=model_id, width=width, height=height, error=str(exc)

@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     vram_budget_gb: float | None = Field(
         None, gt=0, description="Cap on what kiln may use, even on a big card"
     )
+    device_profile: str | None = Field(
+        None,
+        description="Decide as this card would (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB"
+        " sets its free memory); tensors stay on the real device",
+    )
     compile: Switch = Field(
         "auto", description="torch.compile at the full rung: auto = on for accelerators"
     )
@@ -115,6 +120,16 @@ class Settings(BaseSettings):
         if self.aws_secret_access_key is not None:
             found.append(self.aws_secret_access_key.get_secret_value())
         return [s for s in found if s]
+
+    @field_validator("device_profile")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from worker.profiles import parse_profile
+
+        parse_profile(value)
+        return value.strip().lower()
 
     def switch(self, name: SwitchName) -> Switch:
         value: Switch = getattr(self, name)

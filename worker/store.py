@@ -45,7 +45,7 @@ class Store(Protocol):
 
     def write_result(self, result: RenderResult) -> None: ...
 
-    def finished_result(self, job_id: str) -> RenderResult | None: ...
+    def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None: ...
 
 
 class _RecentPreviews:
@@ -95,8 +95,8 @@ class LocalStore:
     def write_result(self, result: RenderResult) -> None:
         output.write_result(self.directory, result)
 
-    def finished_result(self, job_id: str) -> RenderResult | None:
-        return output.finished_result(self.directory, job_id)
+    def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None:
+        return output.finished_result(self.directory, job_id, request_digest)
 
 
 class S3Store:
@@ -164,9 +164,9 @@ class S3Store:
         key = self.key(result.job_id, output.RESULT_FILE)
         self._put(key, result.model_dump_json(indent=2).encode(), "application/json")
 
-    def finished_result(self, job_id: str) -> RenderResult | None:
-        """The stored result with fresh presigned URLs (the stored ones may have expired).
-        None when there is none; StoreError when the store cannot be asked."""
+    def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None:
+        """The stored result of this request with fresh presigned URLs (the stored ones may have
+        expired). None when there is none; StoreError when the store cannot be asked."""
         key = self.key(job_id, output.RESULT_FILE)
         data = self._get(key)
         if data is None:
@@ -175,6 +175,7 @@ class S3Store:
             result = RenderResult.model_validate_json(data)
         except ValueError:
             return None
+        result = output.same_request(result, request_digest, f"s3://{self.bucket}/{key}")
         images = [
             image.model_copy(update={"url": self._presign(urlparse(image.uri or "").path[1:])})
             for image in result.images

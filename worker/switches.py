@@ -12,6 +12,7 @@ import torch
 from api_client.manifest import Manifest, Switch, SwitchName
 from worker.device import DeviceInfo
 from worker.errors import CompileRequired
+from worker.families import spec_of
 from worker.manifest import weights_source
 from worker.resident import LoadedPipeline
 from worker.settings import Settings
@@ -77,7 +78,9 @@ def _sdpa(loaded: LoadedPipeline, settings: Settings) -> None:
 def _channels_last(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
     value, report = switch(loaded.manifest, settings, "channels_last"), loaded.settings
     denoiser = loaded.denoiser
-    if value == "on" or (value == "auto" and info.accelerator and denoiser is loaded.pipe.unet):
+    # The family names its denoiser: SD3's is a transformer and its pipeline has no unet at all.
+    conv_unet = spec_of(loaded.manifest.family).denoiser == "unet"
+    if value == "on" or (value == "auto" and info.accelerator and conv_unet):
         denoiser.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         report.add("applied", "channels_last", "denoiser in channels_last layout")
     elif value == "auto":
@@ -165,9 +168,17 @@ def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) 
     if value == "off":
         report.add("skipped", "compile", "switched off")
         return
-    if value == "auto" and not required and not info.accelerator:
+    if value == "auto" and not required and not info.compile_default:
         report.add(
             "skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)"
+        )
+        return
+    if value == "auto" and not required and info.simulated and info.torch_device == "cpu":
+        report.add(
+            "skipped",
+            "compile",
+            f"auto: {info.simulated} would compile at full; not run on the real device (cpu),"
+            " where the tiny UNet takes 76 s to compile",
         )
         return
     from worker.compile import compile_available, compile_denoiser

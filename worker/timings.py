@@ -79,6 +79,7 @@ class TimingRecord(BaseModel):
     rung: str | None = None
     rung_reason: str | None = None
     device: str | None = None
+    simulated_device: str | None = None  # the KILN_DEVICE_PROFILE decisions were made as
     dtype: str | None = None
     compiled: bool = False
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
@@ -117,6 +118,9 @@ class TimingRecord(BaseModel):
             num_images=len(result.images),
             rung=result.rung,
             device=result.device,
+            simulated_device=result.simulated_device,
+            seed=result.seed,
+            guidance=result.guidance,
             dtype=result.dtype,
             compiled=result.compiled,
             quantized=result.quantized,

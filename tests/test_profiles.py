@@ -1,0 +1,134 @@
+"""Device profiles: every tiny family renders under every profile (KILN_DEVICE_PROFILE) on this
+CPU, and each render makes the decisions that card would: dtype, rung, channels_last, the VAE
+upcast, compile, quantize. The rung is forced as low as the real model of that family would sit
+on the card (the tiny models fit anywhere), through KILN_VRAM_BUDGET_GB."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from api_client.manifest import Manifest
+from tests.conftest import kiln
+from worker.context import LocalContext
+from worker.device import DeviceInfo
+from worker.ladder import pick_rung, planning_gb
+from worker.manifest import load_manifests
+from worker.plan import plan_model
+from worker.profiles import GIB, PROFILES, parse_profile, profile_for
+from worker.render import Renderer
+from worker.timings import TimingRecord
+
+CPU_INFO = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
+# The real model each tiny family stands in for: its memory needs decide the rung.
+REAL_MODEL = {"sd15": "sd-turbo", "sdxl": "sdxl-base", "sd3": "sd35-medium"}
+# Every shipped profile, plus a T4 with 5 GiB free (another process holds the rest).
+MATRIX_PROFILES = [*PROFILES, "t4:5"]
+FAMILIES = ["sd15", "sdxl", "sd3"]
+# Budgets that land a tiny model (full 0.1 GB, model_offload 0.05, group_offload 0.02) on a rung.
+TINY_BUDGET = {"full": None, "model_offload": 0.07, "group_offload": 0.03}
+# The rungs the real models get where they do not fit fully (all others: full), worked by hand
+# from the manifests: a T4 plans with 15 GiB free = 16.11 GB - 0.5 reserve = 15.61 GB, at 5 GiB
+# free with 4.87 GB, and sd3 runs fp32 there (no bf16), which halves what it plans with.
+LOW_RUNGS = {
+    ("sd3", "t4"): "group_offload",  # sd35-medium: model_offload needs 12.5 > 7.80
+    ("sdxl", "t4:5"): "group_offload",  # sdxl-base: model_offload needs 6.0
+    ("sd3", "t4:5"): "group_offload",  # sd35-medium: model_offload needs 12.5
+}
+
+
+def expected_dtype(family: str, profile: str) -> str:
+    if profile.startswith("t4"):
+        return "fp32" if family == "sd3" else "fp16"  # sd3 must not run in fp16; T4 lacks bf16
+    return "bf16"
+
+
+def real_rung(manifests: dict[str, Manifest], family: str, profile: str, reserve: float) -> str:
+    card, free_gib = parse_profile(profile)
+    usable = (free_gib if free_gib is not None else card.free_gib) * GIB / 1e9 - reserve
+    fp32 = expected_dtype(family, profile) == "fp32"
+    return pick_rung(manifests[REAL_MODEL[family]], planning_gb(usable, fp32), "auto").rung
+
+
+@pytest.mark.parametrize("profile", MATRIX_PROFILES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_renders_as_the_profiled_card_would(
+    family: str, profile: str, make_settings: Any
+) -> None:
+    real = load_manifests(make_settings().manifests)
+    rung = real_rung(real, family, profile, make_settings().vram_reserve_gb)
+    assert rung == LOW_RUNGS.get((family, profile), "full")
+    model = f"tiny-{family}"
+    settings = make_settings(device_profile=profile, vram_budget_gb=TINY_BUDGET[rung])
+    finished: list[TimingRecord] = []
+    manifests = load_manifests(settings.manifests, [model])
+    renderer = Renderer(settings, manifests, on_record=finished.append)
+    name = profile.partition(":")[0]
+    assert renderer.info.simulated == name and renderer.info.torch_device == "cpu"
+
+    result = renderer.render(
+        {"model": model, "prompt": "a fox", "steps": 2, "seed": 1}, LocalContext(f"{model}-{name}")
+    )
+    [record] = finished
+    assert record.status == "done"
+    assert result.simulated_device == record.simulated_device == name
+    assert (result.rung, result.dtype) == (rung, expected_dtype(family, profile))
+    applied, skipped = result.settings.names("applied"), result.settings.names("skipped")
+    # channels_last: the conv UNets on every accelerator; SD3's transformer never.
+    assert ("channels_last" in applied) == (family != "sd3")
+    # The fp16 SDXL VAE is held in fp32 from load, whatever the rung.
+    assert ("vae_upcast" in applied) == (family == "sdxl" and profile.startswith("t4"))
+    loaded = renderer.cache.get(model)
+    assert loaded is not None
+    if "vae_upcast" in applied:
+        assert next(loaded.pipe.vae.parameters()).dtype.__str__() == "torch.float32"
+    # compile: the card would compile at full; on this CPU it is reported, not run.
+    compile_note = next(n.reason for n in result.settings.skipped if n.name == "compile")
+    if rung == "full":
+        assert f"{name} would compile at full" in compile_note
+    else:
+        assert "offload hooks and Inductor conflict" in compile_note
+    assert not result.compiled and "compile" in skipped
+    if family == "sd3":
+        assert result.quantized == {"text_encoder_3": "int8"}
+    # `kiln doctor --profile` decides without loading; it must say what this load did.
+    plan = plan_model(loaded.manifest, renderer.info, settings, renderer.usable_gb())
+    assert (plan.rung, plan.dtype) == (result.rung, result.dtype)
+    for switch in ("channels_last", "vae_tiling", "vae_upcast"):
+        assert (switch in plan.names("applied")) == (switch in applied), switch
+
+
+def test_profile_names_and_free_memory_are_checked(make_settings: Any) -> None:
+    from pydantic import ValidationError
+
+    from worker.device import simulate
+
+    assert make_settings(device_profile=" T4 ").device_profile == "t4"
+    with pytest.raises(ValidationError, match=r"unknown device profile 'v100'.*t4, l4, a100"):
+        make_settings(device_profile="v100")
+    with pytest.raises(ValidationError, match=r"free memory must be in \(0, 16.0\] GiB"):
+        make_settings(device_profile="t4:20")
+    info = simulate("t4:9.5", simulate("h100", CPU_INFO))
+    assert (info.simulated, info.free_bytes, info.torch_device) == ("t4", int(9.5 * GIB), "cpu")
+    assert [profile_for(n) for n in ("Tesla T4", "NVIDIA H200", "AMD Instinct MI300X")] == [
+        "t4",
+        "h200",
+        "mi300",
+    ]
+    for profile in PROFILES.values():
+        assert profile.source and 0 < profile.free_gib < profile.total_gib
+
+
+def test_doctor_profile_prints_each_models_plan_and_fails_where_one_cannot_run(
+    kiln_env: dict[str, str],
+) -> None:
+    done = kiln("doctor", "--profile", "t4:2", env=kiln_env)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "profile       t4: decisions as Tesla T4 (simulated)" in out and "source  " in out
+    assert "  sdxl-base          group_offload  fp16   NO" in out
+    assert "  tiny-sd15          full           fp16   yes" in out
+    assert "CANNOT RUN    needs 3.00 GB even at group_offload; 1.65 GB usable" in out
+    unknown = kiln("doctor", "--profile", "v100", env=kiln_env)
+    assert unknown.returncode == 2 and "unknown device profile 'v100'" in unknown.stdout

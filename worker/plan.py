@@ -1,0 +1,126 @@
+"""What a card would do with each manifest, decided without loading a weight: the rung, the
+dtype, each switch and quantize scheme, with reasons, and whether the model can run there at
+all. `kiln doctor --profile NAME` prints it; it follows the same rules as a real load
+(worker.loading, worker.switches), and tests/test_plan.py holds the two to each other on the tiny
+models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from api_client.manifest import Manifest
+from api_client.schema import Rung
+from worker.compile import compile_available
+from worker.device import DeviceInfo
+from worker.families import spec_of
+from worker.ladder import pick_rung, planning_gb, rung_need_gb
+from worker.loading import choose_dtype
+from worker.quantize import unsupported_reason
+from worker.resident import DTYPE_NAMES
+from worker.settings import Settings
+
+Kind = Literal["applied", "skipped"]
+
+
+@dataclass
+class ModelPlan:
+    model: str
+    rung: Rung
+    rung_reason: str
+    dtype: str
+    dtype_reason: str
+    switches: list[tuple[Kind, str, str]] = field(default_factory=list)  # (kind, name, reason)
+    quantize: dict[str, str] = field(default_factory=dict)  # component -> verdict
+    problems: list[str] = field(default_factory=list)  # why it cannot run on this card
+
+    @property
+    def runs(self) -> bool:
+        return not self.problems
+
+    def names(self, kind: Kind) -> list[str]:
+        return [name for k, name, _ in self.switches if k == kind]
+
+
+def plan_model(
+    manifest: Manifest, info: DeviceInfo, settings: Settings, usable: float
+) -> ModelPlan:
+    """The decisions a load of manifest would make on info's card with usable GB to plan with."""
+    dtype, dtype_reason = choose_dtype(manifest, info)
+    fp32 = info.accelerator and dtype == torch.float32
+    usable = planning_gb(usable, fp32)
+    choice = pick_rung(manifest, usable, settings.memory_mode)
+    plan = ModelPlan(manifest.id, choice.rung, choice.reason, DTYPE_NAMES[dtype], dtype_reason)
+    lowest: Rung = "group_offload" if settings.memory_mode == "auto" else choice.rung
+    need = rung_need_gb(manifest, lowest)
+    if need > usable:
+        plan.problems.append(f"needs {need:.2f} GB even at {lowest}; {usable:.2f} GB usable")
+    if fp32:
+        plan.rung_reason += "; fp32 weights: half the usable memory planned with"
+    _switches(plan, manifest, info, settings)
+    for component, scheme in manifest.quantize.items():
+        reason = unsupported_reason(scheme, info)
+        plan.quantize[component] = f"{scheme}: " + (
+            "the card can run it" if reason is None else f"skipped ({reason})"
+        )
+    return plan
+
+
+def _switch(manifest: Manifest, settings: Settings, name: str) -> str:
+    value: str = manifest.optimizations.get(name, getattr(settings, name))  # type: ignore[call-overload]
+    return value
+
+
+def _switches(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: Settings) -> None:
+    add = plan.switches.append
+    conv_unet = spec_of(manifest.family).denoiser == "unet"
+    channels_last = _switch(manifest, settings, "channels_last")
+    if channels_last == "on" or (channels_last == "auto" and info.accelerator and conv_unet):
+        add(("applied", "channels_last", "denoiser in channels_last layout"))
+    else:
+        why = "not a conv UNet" if info.accelerator else "CPU: no measured gain"
+        add(("skipped", "channels_last", why if channels_last == "auto" else "switched off"))
+    tiling = _switch(manifest, settings, "vae_tiling")
+    if tiling == "on" or (tiling == "auto" and plan.rung != "full"):
+        add(("applied", "vae_tiling", f"offload rung {plan.rung}" if tiling == "auto" else "on"))
+    else:
+        add(("skipped", "vae_tiling", "fully resident, decode fits" if tiling == "auto" else "off"))
+    if manifest.family == "sdxl" and plan.dtype == "fp16":
+        if manifest.vae is None:
+            add(("applied", "vae_upcast", "stock SDXL VAE overflows in fp16: fp32 from load"))
+        else:
+            add(("skipped", "vae_upcast", f"manifest vae {manifest.vae} (if force_upcast false)"))
+    if plan.rung == "group_offload":
+        streams = "stream prefetch" if info.streams else "no copy streams: synchronous onload"
+        add(("applied", "group_offload", f"leaf level, {streams}"))
+    _compile(plan, manifest, info, settings)
+    if manifest.taesd is not None and _switch(manifest, settings, "taesd_preview") != "off":
+        add(("applied", "taesd_preview", f"TAESD {manifest.taesd}"))
+
+
+def _compile(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: Settings) -> None:
+    switch = manifest.optimizations.get("compile", settings.compile)
+    required = manifest.compile == "required" and plan.rung == "full"
+    if manifest.compile == "off" or (switch == "off" and not required):
+        plan.switches.append(("skipped", "compile", "switched off"))
+        return
+    if plan.rung != "full":
+        plan.switches.append(("skipped", "compile", f"offload hooks conflict at {plan.rung}"))
+        return
+    if switch == "off":
+        plan.problems.append("compile is required when fully resident, but KILN_COMPILE=off")
+        return
+    if switch == "auto" and not required and not info.compile_default:
+        plan.switches.append(("skipped", "compile", f"auto: off on {info.backend}"))
+        return
+    missing = compile_available()
+    if missing is not None:
+        if required:
+            plan.problems.append(f"compile is required and unavailable: {missing}")
+        else:
+            plan.switches.append(("skipped", "compile", f"unavailable: {missing}"))
+        return
+    how = "required by the manifest" if required else f"{switch}: at the full rung"
+    plan.switches.append(("applied", "compile", how))

@@ -1,0 +1,47 @@
+"""The VAE a pipeline decodes with: a manifest's `vae:` override, and the fp32 upcast an fp16
+SDXL VAE needs, made once at load so it holds at every rung."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from api_client.manifest import Manifest
+from worker.manifest import weights_source
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from worker.resident import LoadedPipeline
+
+
+def load_vae_override(manifest: Manifest, models_dir: Path, dtype: torch.dtype) -> Any:
+    """The manifest's `vae:` as an AutoencoderKL in dtype, for the pipeline's from_pretrained."""
+    from diffusers import AutoencoderKL
+
+    assert manifest.vae is not None
+    source = weights_source(manifest, models_dir, manifest.vae, marker="config.json")
+    return AutoencoderKL.from_pretrained(source.location, dtype=dtype)
+
+
+def upcast_before_placement(loaded: LoadedPipeline) -> None:
+    """An fp16 VAE whose config says force_upcast (the stock SDXL VAE overflows in fp16) goes to
+    fp32 before placement, not at each decode: streamed group offload keeps pinned host copies
+    of every weight and re-reads them at each onload, so a decode-time upcast would be undone
+    by the next onload and the decode would run in fp16 after all."""
+    vae, report = getattr(loaded.pipe, "vae", None), loaded.settings
+    # Only SDXL's pipeline honours force_upcast (SD1.5's VAE config leaves it at its default).
+    if vae is None or loaded.dtype != torch.float16 or loaded.manifest.family != "sdxl":
+        return
+    if not getattr(vae.config, "force_upcast", False):
+        origin = f"manifest vae {loaded.manifest.vae}" if loaded.manifest.vae else "the VAE"
+        report.add("skipped", "vae_upcast", f"{origin} is fp16-safe (force_upcast false)")
+        return
+    vae.to(dtype=torch.float32)
+    report.add(
+        "applied",
+        "vae_upcast",
+        "fp16 VAE overflows (force_upcast): kept in fp32 from load, at every rung;"
+        " a manifest `vae:` such as madebyollin/sdxl-vae-fp16-fix avoids it",
+    )
