@@ -44,6 +44,7 @@ STOP_TTL_S = 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
+MANIFESTS_TTL_S = 5.0
 MAX_JOB_ID_CHARS = 200  # a job id names a directory and is echoed in errors and records
 JOB_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_JOB_ID_CHARS}}}")
 
@@ -88,9 +89,12 @@ class KilnJob:
         return str(status.value if isinstance(status, JobStatus) else status)
 
     def progress(self) -> Progress | None:
-        meta = self._fetch().get_meta(refresh=False)
-        raw = meta.get("progress")
-        return Progress.model_validate(raw) if raw else None
+        """Where the running job is, from its newest progress and preview events since it last
+        started; None before it starts, or once a shutdown put it back on its queue."""
+        progress = events.latest_progress(self._connection, keys.events_key(self.id))
+        if progress is None:
+            self._fetch()  # UnknownJob for a job that does not exist
+        return progress
 
     def result(self) -> RenderResult | None:
         """The result if the job finished; RenderFailed if it failed, stopped or was canceled."""
@@ -116,18 +120,23 @@ class KilnJob:
         end without an event (a job failed by RQ after its worker died).
         """
         deadline = time.monotonic() + timeout
-        after = "0"
+        after, checked = "0", float("-inf")
         while True:
-            result = self._outcome(self._fetch())
-            if result is not None:
-                return result
+            if time.monotonic() - checked >= poll:
+                checked = time.monotonic()
+                result = self._outcome(self._fetch())
+                if result is not None:
+                    return result
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
-            seen = events.read(
-                self._connection, keys.events_key(self.id), after, min(remaining, poll)
-            )
-            after = seen[-1].id or after if seen else after
+            key = keys.events_key(self.id)
+            for event in events.read(self._connection, key, after, min(remaining, poll)):
+                after = event.id or after
+                if event.kind == "done" and event.result is not None:
+                    return event.result  # the end event carries it: no second read
+                if event.terminal:
+                    checked = float("-inf")  # failed or stopped: the job says why
 
     def events(self, after: str = "0", timeout: float | None = None) -> Iterator[JobEvent]:
         """The job's events (queued, started, progress, preview, done/failed/stopped) as they come,
@@ -197,6 +206,7 @@ class KilnClient:
     ) -> None:
         self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
+        self._published: tuple[float, dict[str, Manifest]] | None = None
 
     @classmethod
     def from_env(cls) -> KilnClient:
@@ -207,13 +217,18 @@ class KilnClient:
         )
 
     def manifests(self) -> dict[str, Manifest]:
-        """Manifests workers published to Redis; the local directory when none are published."""
+        """Manifests workers published to Redis (read again after MANIFESTS_TTL_S: they change
+        when a worker starts, not between two submits); the local directory when none are."""
+        if self._published is not None and time.monotonic() - self._published[0] < MANIFESTS_TTL_S:
+            return self._published[1]
         published = self.connection.hgetall(keys.MANIFESTS_KEY)
         if published:
-            return {
+            parsed = {
                 _text(model_id): Manifest.model_validate_json(raw)
                 for model_id, raw in published.items()
             }
+            self._published = (time.monotonic(), parsed)
+            return parsed
         manifests, _failures = load_manifest_dir(self.manifests_dir)
         return manifests
 

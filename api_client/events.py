@@ -13,7 +13,7 @@ from typing import Any
 from redis import Redis
 
 from api_client import keys
-from api_client.schema import JobEvent
+from api_client.schema import JobEvent, Progress
 
 JOB_STREAM_MAXLEN = 200  # a job writes a few dozen events at most (progress is throttled)
 QUEUE_STREAM_MAXLEN = 10_000  # about the last few thousand jobs of a model
@@ -62,6 +62,27 @@ def read(conn: Redis, key: str, after: str, block_s: float | None) -> list[JobEv
             event.id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             events.append(event)
     return events
+
+
+def latest_progress(conn: Redis, key: str, scan: int = 50) -> Progress | None:
+    """The job's newest progress (with its newest preview's uri) since it last started or was
+    queued again, from the tail of its stream; None when there is none."""
+    found: JobEvent | None = None
+    preview: str | None = None
+    answer: Any = conn.xrevrange(key, count=scan)
+    for _entry_id, fields in answer or []:
+        event = JobEvent.model_validate_json(fields[FIELD])
+        if event.kind in ("queued", "started"):
+            break
+        if event.kind == "preview" and preview is None and event.preview is not None:
+            preview = event.preview.uri
+        if event.kind == "progress" and found is None:
+            found = event
+    if found is None or found.phase is None:
+        return None
+    return Progress(
+        phase=found.phase, step=found.step or 0, steps=found.steps or 0, preview=preview
+    )
 
 
 def follow(

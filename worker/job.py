@@ -5,7 +5,6 @@ its payload, admission, progress into job.meta and stop requests."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -16,14 +15,11 @@ from rq.job import Job
 from api_client import keys
 from api_client.client import ABANDONED_RETRIES
 from api_client.errors import MESSAGE_LIMIT, short
-from api_client.schema import RENDER_FUNC, JobError, Progress
+from api_client.schema import RENDER_FUNC, JobError
 from worker import events as job_events
 from worker import quarantine
 from worker.errors import JobStopped, RefusedJob, ShutdownStop
 from worker.store import Store
-
-# A progress bar needs a few updates a second, not one Redis write per denoising step.
-PROGRESS_INTERVAL_S = 0.25
 
 
 class RenderJob(Job):
@@ -137,8 +133,8 @@ def record_error(job: Job, kind: str, message: str) -> None:
 
 
 class RQJobContext:
-    """The job as a render sees it: progress into job.meta (written by the worker only, at most
-    every PROGRESS_INTERVAL_S within a phase), and stop requests, read from events the worker
+    """The job as a render sees it: progress and previews into its event journal (which writes
+    them a few times a second, worker/events.py), and stop requests, read from events the worker
     sets without a Redis round trip per step: `cancelled` when its heartbeat thread finds the
     job's stop key, `shutdown_now` on a second shutdown signal."""
 
@@ -161,9 +157,6 @@ class RQJobContext:
         self._store = store
         self._shutdown_now = shutdown_now
         self._cancelled = cancelled
-        self._preview: str | None = None
-        self._phase: str | None = None
-        self._written_at = 0.0
 
     def admit(self) -> None:
         problems = self.job.problems()
@@ -178,15 +171,6 @@ class RQJobContext:
         if preview:  # a new preview (the uri stays the same: preview.jpg is replaced)
             self.events.preview(self._store.preview_ref(preview))
         self.events.progress(phase, step, steps)
-        # The latest preview stays in every later update until a newer one replaces it.
-        self._preview = preview or self._preview
-        now = time.monotonic()
-        if phase == self._phase and not preview and now - self._written_at < PROGRESS_INTERVAL_S:
-            return
-        self._phase, self._written_at = phase, now
-        progress = Progress(phase=phase, step=step, steps=steps, preview=self._preview)
-        self.job.meta["progress"] = progress.model_dump()
-        self.job.save_meta()  # type: ignore[no-untyped-call]
 
     def stop_requested(self) -> bool:
         if self._shutdown_now.is_set():

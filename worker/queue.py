@@ -21,8 +21,10 @@ The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and 
    *handle_job_failure: a ShutdownStop goes back to the front of its queue; a JobStopped ends
    as stopped; anything else fails (RenderJob.should_retry is False: only jobs abandoned by a
    dead worker are retried); a FatalWorkerError also ends this worker (exit 1).
-7. execute_job's finally publishes the worker's state (resident models) to Redis, and RQ's
-   loop calls *heartbeat, which is where a requested shutdown stops the loop.
+7. execute_job's finally sends one pipeline: the model's timing fit, the worker's state and the
+   job's last events (worker/events.py, the end one carrying the result, which wakes the client),
+   then hands the job's webhook to its thread. RQ's loop calls *heartbeat, which is where a
+   requested shutdown stops the loop.
 
 Beside it, every 2 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
 (*recover_abandoned). Signals: the first SIGTERM/SIGINT finishes the job and exits
@@ -75,6 +77,7 @@ from worker.webhooks import Dispatcher, parse_targets
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
+LOOP_BEAT_MIN_S = 1.0
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -153,6 +156,9 @@ class KilnWorker(SimpleWorker):
         # Set by the heartbeat thread when the running job's stop key appears (a cancel).
         self.cancelled = threading.Event()
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
+        # RQ's loop beats and checks for `rq suspend` three times around every job; once a
+        # second is plenty (the heartbeat thread keeps the running job fresh).
+        self._beat_at = self._suspension_checked_at = float("-inf")
         self.webhooks = Dispatcher.from_settings(renderer.settings)
 
     # -- the work loop --------------------------------------------------------------------------
@@ -161,6 +167,7 @@ class KilnWorker(SimpleWorker):
         # Round robin across model queues: a busy model must not starve the others.
         kwargs.setdefault("dequeue_strategy", DequeueStrategy.ROUND_ROBIN)
         self.shutdown_now.clear()
+        self.publish_state()  # clients see the worker before its first heartbeat
         self._pulse = Pulse(self)
         self._pulse.start()
         try:
@@ -299,13 +306,10 @@ class KilnWorker(SimpleWorker):
 
     def _requeue(self, job: Job, queue: Queue) -> None:
         """Back to the front of its queue, as if never started: it was stopped, not broken."""
-        job.meta.pop("progress", None)
         job.started_at = job.ended_at = None
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job, pipeline=pipe)
             queue._enqueue_job(job, pipeline=pipe, at_front=True)
-            # job.save() skips an empty meta, which would leave the old progress in Redis.
-            pipe.hset(job.key, "meta", self.serializer.dumps(job.meta))
             pipe.execute()
         log.warning("job %s stopped by shutdown and re-queued on %s", job.id, queue.name)
 
@@ -344,10 +348,26 @@ class KilnWorker(SimpleWorker):
         if pipeline is None and self._stop_requested and not self._holding_job:
             # RQ's dequeue loop heartbeats before each blocking pop: the safe point to stop.
             raise StopRequested()
+        if pipeline is None:
+            if time.monotonic() - self._beat_at < LOOP_BEAT_MIN_S:
+                return
+            self._beat_at = time.monotonic()
         super().heartbeat(timeout, pipeline)
-        self.publish_state(pipeline if pipeline is not None else self.connection)
 
-    def publish_state(self, conn: Any = None) -> None:
+    def check_for_suspension(self, burst: bool) -> None:
+        if time.monotonic() - self._suspension_checked_at < LOOP_BEAT_MIN_S:
+            return
+        self._suspension_checked_at = time.monotonic()
+        super().check_for_suspension(burst)
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        if pipeline is None and state == self._state:
+            return  # RQ sets idle twice between two jobs
+        super().set_state(state, pipeline)
+
+    def publish_state(self, conn: Any = None, sweep: bool = True) -> None:
+        """The worker's state for clients (models, resident, heartbeat), from the heartbeat
+        thread and after each job; sweep also drops the names of long-silent workers."""
         conn = conn if conn is not None else self.connection
         now = time.time()
         state = WorkerState(
@@ -363,8 +383,8 @@ class KilnWorker(SimpleWorker):
         )
         conn.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         conn.zadd(keys.WORKERS_KEY, {self.name: now})
-        # Workers killed without a goodbye leave their name behind; drop the long-silent ones.
-        conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
+        if sweep:  # workers killed without a goodbye leave their name behind
+            conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
 
     def _after_job(self, job: Job) -> None:
         """Step 7, in one round trip: the model's timing fit, the worker's state and the job's
@@ -376,7 +396,7 @@ class KilnWorker(SimpleWorker):
             with self.connection.pipeline() as pipe:
                 if isinstance(renderer.on_record, RecordPublisher):
                     renderer.on_record.flush(pipe)
-                self.publish_state(pipe)
+                self.publish_state(pipe, sweep=False)
                 end = self._end_events(job, pipe)
                 pipe.execute()
         except REDIS_ERRORS as exc:
