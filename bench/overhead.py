@@ -6,7 +6,7 @@
   naive   a fresh process per job that imports, loads and renders (what kiln exists to avoid)
   forking RQ's default forking Worker running the same render (reloads in every child)
 
-bare, engine and queue take turns job by job, so drift on a shared machine hits all three alike.
+bare, engine and queue take turns in blocks of five jobs, so drift hits all three alike.
 The last line is machine-readable:
   queue_vs_bare=<x> engine_vs_bare=<x> naive_vs_queue=<x> redis_cmds_per_job=<n>
 with Redis commands counted by INFO commandstats around the measured queue jobs (everything
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODEL = "tiny-sd15"
+BLOCK = 5
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
@@ -176,12 +177,15 @@ def measure_fast(
     for seed in range(args.warmup):
         for fn in modes.values():
             fn(seed)
+    # Modes take turns in blocks of BLOCK jobs: drift on a shared machine hits all alike, and a
+    # mode is not measured in the few ms after another process's torch threads stopped spinning.
     times: dict[str, Any] = {name: [] for name in modes}
-    for seed in range(args.jobs):
+    for first in range(0, args.jobs, BLOCK):
         for name, fn in modes.items():
-            start = time.perf_counter()
-            fn(seed)
-            times[name].append(time.perf_counter() - start)
+            for seed in range(first, min(first + BLOCK, args.jobs)):
+                start = time.perf_counter()
+                fn(seed)
+                times[name].append(time.perf_counter() - start)
     # Redis commands a job costs, counted around queue jobs run back to back (the client's and
     # the worker's, its heartbeat thread included), by command.
     before = _commands(conn)
