@@ -34,7 +34,9 @@ def job_eta(connection: Redis, job: Job) -> float | None:
     queued = [_text(i) for i in cast(list[bytes], connection.lrange(queue_key, 0, -1))]
     ahead = queued[: queued.index(job.id)] if job.id in queued else queued
     running = StartedJobRegistry(job.origin, connection=connection).get_job_ids()
-    others = Job.fetch_many(ahead + running, connection=connection, serializer=JSONSerializer)
+    # A worker may take this job between the reads above: never count it as ahead of itself.
+    ids = [other for other in ahead + running if other != job.id]
+    others = Job.fetch_many(ids, connection=connection, serializer=JSONSerializer)
     work = 0.0
     for other in others:
         if other is None:
