@@ -1,6 +1,6 @@
 """kiln's client: submit render jobs to kiln workers through Redis. Never imports torch."""
 
-from api_client.client import KilnClient, KilnJob, ModelInfo
+from api_client.client import KilnClient, ModelInfo
 from api_client.errors import (
     JobTimeout,
     KilnError,
@@ -10,6 +10,7 @@ from api_client.errors import (
     UnknownJob,
 )
 from api_client.fetch import FetchFailed
+from api_client.job import KilnJob
 from api_client.manifest import Manifest, ManifestInvalid
 from api_client.schema import (
     ImageFile,

@@ -1,9 +1,8 @@
-"""KilnClient: validate a request against published manifests, enqueue it, follow it to the end."""
+"""KilnClient: validate a request against published manifests and enqueue it; the models and
+workers that serve them. Following one job is api_client.job.KilnJob."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import time
@@ -15,24 +14,22 @@ from typing import Any
 
 from redis import Redis
 from rq import Queue, Retry
-from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
-from rq.job import Job, JobStatus
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from api_client import events, keys
 from api_client.connection import connect
-from api_client.errors import JobTimeout, Problem, RenderFailed, RequestRejected, UnknownJob
-from api_client.eta import job_eta, live_workers
+from api_client.errors import Problem, RequestRejected
+from api_client.eta import live_workers
 from api_client.fetch import fetch_image
+from api_client.job import KilnJob
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
 from api_client.schema import (
     RENDER_FUNC,
     ImageFile,
-    JobError,
     JobEvent,
-    Progress,
     RenderRequest,
-    RenderResult,
     TimingFit,
     WorkerState,
 )
@@ -40,7 +37,6 @@ from api_client.schema import (
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 JOB_TIMEOUT_S = 600
 RESULT_TTL_S = 7 * 24 * 3600
-STOP_TTL_S = 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
@@ -60,138 +56,6 @@ class ModelInfo:
     def default_eta_s(self) -> float | None:
         fit = self.fits.get(self.manifest.default_size)
         return None if fit is None else fit.eta(self.manifest.steps.default)
-
-
-class KilnJob:
-    """A handle on one submitted job; cheap to make, reads Redis on every call."""
-
-    def __init__(self, job_id: str, connection: Redis) -> None:
-        self.id = job_id
-        self._connection = connection
-
-    def __repr__(self) -> str:
-        return f"KilnJob({self.id!r})"
-
-    def _fetch(self) -> Job:
-        try:
-            return Job.fetch(self.id, connection=self._connection, serializer=JSONSerializer)
-        except NoSuchJobError:
-            # A record a worker could not read was moved aside: say why rather than "no job".
-            entry = self._connection.hget(keys.QUARANTINE_KEY, self.id)
-            if entry:
-                reason = json.loads(entry).get("reason", "unreadable record")
-                raise RenderFailed(self.id, f"quarantined: {reason}", "quarantined") from None
-            raise UnknownJob(f"no job {self.id!r} in Redis (never submitted, or expired)") from None
-
-    def status(self) -> str:
-        """queued, started, finished, failed, stopped or canceled (RQ's names)."""
-        status = self._fetch().get_status(refresh=False)
-        return str(status.value if isinstance(status, JobStatus) else status)
-
-    def progress(self) -> Progress | None:
-        """Where the running job is, from its newest progress and preview events since it last
-        started; None before it starts, or once a shutdown put it back on its queue."""
-        progress = events.latest_progress(self._connection, keys.events_key(self.id))
-        if progress is None:
-            self._fetch()  # UnknownJob for a job that does not exist
-        return progress
-
-    def result(self) -> RenderResult | None:
-        """The result if the job finished; RenderFailed if it failed, stopped or was canceled."""
-        job = self._fetch()
-        return self._outcome(job)
-
-    def _outcome(self, job: Job) -> RenderResult | None:
-        status = job.get_status(refresh=False)
-        if status == JobStatus.FINISHED:
-            return RenderResult.model_validate(job.return_value(refresh=True))
-        if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-            raw = job.get_meta(refresh=False).get("error")
-            error = JobError.model_validate(raw) if raw else None
-            message = error.message if error else _last_line(job.latest_result())
-            raise RenderFailed(self.id, message or str(status.value), status=str(status.value))
-        return None
-
-    def wait(self, timeout: float = 600.0, poll: float = events.BLOCK_SLICE_S) -> RenderResult:
-        """Block until the job ends; return its result or raise RenderFailed / JobTimeout.
-
-        Sleeps in XREAD BLOCK on the job's event stream, so it wakes when the worker writes the
-        job's end; it also reads the job's status at least every `poll` seconds, for jobs that
-        end without an event (a job failed by RQ after its worker died).
-        """
-        deadline = time.monotonic() + timeout
-        after, checked = "0", float("-inf")
-        while True:
-            if time.monotonic() - checked >= poll:
-                checked = time.monotonic()
-                result = self._outcome(self._fetch())
-                if result is not None:
-                    return result
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
-            key = keys.events_key(self.id)
-            for event in events.read(self._connection, key, after, min(remaining, poll)):
-                after = event.id or after
-                if event.kind == "done" and event.result is not None:
-                    return event.result  # the end event carries it: no second read
-                if event.terminal:
-                    checked = float("-inf")  # failed or stopped: the job says why
-
-    def events(self, after: str = "0", timeout: float | None = None) -> Iterator[JobEvent]:
-        """The job's events (queued, started, progress, preview, done/failed/stopped) as they come,
-        ending after the terminal one or after timeout seconds. Pass the last event's id as
-        `after` to resume where an earlier iteration stopped."""
-        return events.follow(self._connection, keys.events_key(self.id), after, timeout)
-
-    def download(self, directory: str | Path, timeout: float = 600.0) -> list[Path]:
-        """Wait for the result, fetch every image (sha256 checked) into directory as
-        <job id>-<n>.<ext>, and return the paths. Works for local and S3 stores, from any host."""
-        result = self.wait(timeout=timeout)
-        target = Path(directory)
-        target.mkdir(parents=True, exist_ok=True)
-        paths: list[Path] = []
-        for index, image in enumerate(result.images):
-            extension = {"jpeg": "jpg"}.get(image.format, image.format)
-            path = target / f"{self.id}-{index}.{extension}"
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(fetch_image(image))
-            os.replace(tmp, path)
-            paths.append(path)
-        return paths
-
-    def eta(self) -> float | None:
-        """Seconds until the result is expected, counting the jobs ahead of it in its queue and
-        each one's measured fit (see api_client.eta); None until the sizes in play have fits."""
-        return job_eta(self._connection, self._fetch())
-
-    def cancel(self) -> str:
-        """Queued: removed from its queue. Running: stopped at the next denoise step, not retried.
-
-        Returns the status seen when the cancel was made.
-        """
-        # The stop key first: if a worker takes the job between our read and the cancel below,
-        # it still sees the key (before loading, or at the next step).
-        self._connection.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
-        job = self._fetch()
-        status = job.get_status(refresh=False)
-        if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
-            with contextlib.suppress(InvalidJobOperation):  # cancelled twice: already done
-                job.cancel()
-            model = job.origin.removeprefix(keys.QUEUE_PREFIX) if job.origin else None
-            stopped = JobEvent(
-                kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
-            )
-            events.publish(self._connection, [stopped])
-        return str(status.value)
-
-
-def _last_line(result: Any) -> str | None:
-    text = getattr(result, "exc_string", None)
-    if not text:
-        return None
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else None
 
 
 class KilnClient:

@@ -1,5 +1,6 @@
 """`kiln doctor`: what this machine offers kiln (device, memory, dtypes, attention, compile,
-torchao, Redis) and, for one model, the switch report of a real load."""
+torchao, Redis), for one model the switch report of a real load, and with --profile what a
+card would do with every manifest. Over 300 lines because the three share one printout."""
 
 from __future__ import annotations
 

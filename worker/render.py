@@ -1,6 +1,9 @@
 """Run one job from payload to result, in numbered steps: admit, validate, answer from disk,
 choose a rung, load, generate under the ladder's out-of-memory rules, save. Every path out of
-render() leaves exactly one timing record, created here and handed to the record listener."""
+render() leaves exactly one timing record, created here and handed to the record listener.
+
+Over 300 lines because the steps' helpers (rung choice, load, reload, one attempt, the result)
+are the callbacks the Ladder runs, and read best beside the steps that hand them over."""
 
 from __future__ import annotations
 
