@@ -44,6 +44,19 @@ def test_fit_is_least_squares_over_step_counts_and_restarts_on_a_new_rung() -> N
     assert fit.fixed_s == pytest.approx(0.1) and fit.per_step_s == pytest.approx(0.2 / 8)
 
 
+def test_a_job_answered_from_the_store_is_counted_once_in_metrics() -> None:
+    from prometheus_client import REGISTRY
+
+    from worker.metrics import observe
+
+    labels = {"model": MODEL}
+    before = REGISTRY.get_sample_value("kiln_jobs_answered_from_store_total", labels) or 0.0
+    observe(_record(8, 0.3).model_copy(update={"answered_from": "store"}))
+    observe(_record(8, 0.3))
+    after = REGISTRY.get_sample_value("kiln_jobs_answered_from_store_total", labels)
+    assert after == before + 1
+
+
 def test_job_eta_counts_the_jobs_ahead_with_their_fits(redis_conn: Redis, settings: Any) -> None:
     client = client_for(redis_conn, settings)
     for steps in (2, 2, 6, 4, 6):  # the first is cold and not fitted

@@ -1,6 +1,7 @@
 """Prometheus metrics for `kiln worker --metrics-port`: jobs by model and status, phase seconds,
-out-of-memory attempts and rung descents, the rung each resident model is on, device memory in
-use, and (read from Redis at scrape time only) the depth of each served model's queue."""
+out-of-memory attempts and rung descents, jobs answered from the store, the rung each resident
+model is on, device memory in use, and (read from Redis at scrape time only) the depth of each
+served model's queue."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ DESCENTS = Counter(
     "kiln_rung_descents_total",
     "Times a job stepped down the memory ladder, by model and the rung it left",
     ["model", "rung"],
+)
+ANSWERED_FROM_STORE = Counter(
+    "kiln_jobs_answered_from_store_total",
+    "Jobs answered from their stored result after a worker died before reporting it",
+    ["model"],
 )
 RESIDENT_RUNG = Gauge(
     "kiln_resident_rung", "1 for each resident model at the rung it is loaded on", ["model", "rung"]
@@ -69,6 +75,8 @@ def start_metrics(port: int, connection: Any = None, models: list[str] | None = 
 def observe(record: TimingRecord) -> None:
     model = record.model or "unknown"
     JOBS.labels(model=model, status=record.status or "unknown").inc()
+    if record.answered_from == "store":
+        ANSWERED_FROM_STORE.labels(model=model).inc()
     for before, after in zip(record.attempts, record.attempts[1:], strict=False):
         if after.rung != before.rung:
             DESCENTS.labels(model=model, rung=before.rung).inc()
