@@ -305,22 +305,15 @@ def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
 # 2. Each rung: a cold job (load, cache fill) then a warm one, timed by kiln's own stopwatch
 
 
-def _renderer(settings: Settings, manifest: Manifest) -> Renderer:
-    """A renderer for one manifest that keeps its timing records (read with _records)."""
-    records: list[TimingRecord] = []
-    renderer = Renderer(settings, {manifest.id: manifest}, on_record=records.append)
-    _RECORDS[id(renderer)] = records
-    return renderer
+class _RecordingRenderer(Renderer):
+    """A renderer for one manifest that keeps every timing record it hands to its listener."""
+
+    def __init__(self, settings: Settings, manifest: Manifest) -> None:
+        self.records: list[TimingRecord] = []
+        super().__init__(settings, {manifest.id: manifest}, on_record=self.records.append)
 
 
-def _records(renderer: Renderer) -> list[TimingRecord]:
-    return _RECORDS.get(id(renderer), [])
-
-
-_RECORDS: dict[int, list[TimingRecord]] = {}
-
-
-def _job(renderer: Renderer, manifest: Manifest, steps: int, tag: str) -> dict[str, Any]:
+def _job(renderer: _RecordingRenderer, manifest: Manifest, steps: int, tag: str) -> dict[str, Any]:
     size = manifest.default_size
     payload = {
         "model": manifest.id,
@@ -331,7 +324,7 @@ def _job(renderer: Renderer, manifest: Manifest, steps: int, tag: str) -> dict[s
         "seed": 1,
     }
     result = renderer.render(payload, LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}"))
-    record = _records(renderer)[-1]
+    record = renderer.records[-1]
     return {
         "rung": result.rung,
         "attempts": [a.model_dump(exclude_none=True) for a in result.attempts],
@@ -358,7 +351,7 @@ def _check_rungs(
             report.skipped.append(f"rung {label}: time budget spent")
             continue
         pinned = settings.model_copy(update={"memory_mode": rung, "compile": "off"})
-        renderer = _renderer(pinned, manifest)
+        renderer = _RecordingRenderer(pinned, manifest)
         try:
             cold = _job(renderer, manifest, steps, "cold")
             warm = _job(renderer, manifest, steps, "warm")
@@ -404,7 +397,7 @@ def _check_compile(
             report.skipped.append(f"compile {label}: time budget spent")
             continue
         eager = next((r["warm"] for r in report.rungs if r["case"] == f"{label} full"), None)
-        renderer = _renderer(
+        renderer = _RecordingRenderer(
             settings.model_copy(update={"memory_mode": "full", "compile": "on"}), manifest
         )
         try:
@@ -541,14 +534,14 @@ def _check_oom(
         # No allocator cap on CPU: drill the same sequence with KILN_FAULTS.
         auto = auto.model_copy(update={"faults": "oom@load:full,oom@denoise:model_offload*2"})
         how = "drilled: KILN_FAULTS=oom@load:full,oom@denoise:model_offload*2 (no GPU)"
-    renderer = _renderer(auto, manifest)
+    renderer = _RecordingRenderer(auto, manifest)
     try:
         job = _job(renderer, manifest, steps, "oom")
         report.oom = {"how": how, **job}
         if job["rung"] == "full" or not any(a["outcome"] == "oom" for a in job["attempts"]):
             report.failures.append(f"oom: no out-of-memory happened ({job['attempts']})")
     except Exception as exc:
-        records = _records(renderer)
+        records = renderer.records
         attempts = (
             [a.model_dump(exclude_none=True) for a in records[-1].attempts] if records else []
         )

@@ -132,8 +132,7 @@ class Renderer:
                 encoded = [output.encode_image(image, request.output_format) for image in images]
             with watch.phase("save"):
                 files = self.store.save_images(ctx.job_id, encoded)
-            result = self._result(request, ctx, loaded, record, files, watch, started_at)
-            result.request_sha256 = digest
+            result = self._result(request, ctx, loaded, record, files, watch, started_at, digest)
             self.store.write_result(result)
             record.status = "done"
             return result
@@ -286,6 +285,7 @@ class Renderer:
         files: list[Any],
         watch: Stopwatch,
         started_at: datetime,
+        digest: str,
     ) -> RenderResult:
         return RenderResult(
             job_id=ctx.job_id,
@@ -308,6 +308,7 @@ class Renderer:
             worker=self.worker_name,
             started_at=started_at,
             finished_at=datetime.now(timezone.utc),
+            request_sha256=digest,
         )
 
 
