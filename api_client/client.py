@@ -14,12 +14,14 @@ from typing import Any
 
 from redis import Redis
 from rq import Queue, Retry
-from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 
 from api_client import events, keys
 from api_client.connection import connect
+from api_client.enqueue import ENQUEUE, enqueue_new
 from api_client.errors import Problem, RequestRejected
 from api_client.eta import live_workers
 from api_client.fetch import fetch_image
@@ -71,6 +73,7 @@ class KilnClient:
         self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
         self._published: tuple[float, dict[str, Manifest]] | None = None
+        self._enqueue = self.connection.register_script(ENQUEUE)
 
     @classmethod
     def from_env(cls) -> KilnClient:
@@ -145,28 +148,26 @@ class KilnClient:
             keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
         )
         given, job_id = job_id is not None, job_id or uuid.uuid4().hex
-        # Already submitted: idempotent, hand back the same job.
-        try:
-            queue.enqueue_call(
-                RENDER_FUNC,
-                kwargs={"request": resolved.model_dump(mode="json")},
-                job_id=job_id,
-                unique=True,
-                at_front=at_front,
-                retry=Retry(max=ABANDONED_RETRIES),
-                timeout=timeout_s,
-                result_ttl=RESULT_TTL_S,
-                failure_ttl=RESULT_TTL_S,
-                description=f"{resolved.model}: {resolved.prompt[:60]}",
-            )
-        except DuplicateJobError:
-            # Enqueued by someone else between the check above and the enqueue: check again.
+        job = queue.create_job(
+            RENDER_FUNC,
+            kwargs={"request": resolved.model_dump(mode="json")},
+            job_id=job_id,
+            retry=Retry(max=ABANDONED_RETRIES),
+            timeout=timeout_s,
+            result_ttl=RESULT_TTL_S,
+            failure_ttl=RESULT_TTL_S,
+            description=f"{resolved.model}: {resolved.prompt[:60]}",
+        )
+        job.enqueued_at = rq_now()
+        queued = JobEvent(kind="queued", job_id=job_id, model=resolved.model, at=events.now())
+        after = enqueue_new(self._enqueue, queue.key, job, queued, at_front)
+        if after is None:
+            # Already submitted (idempotent: the same job back), or submitted by someone else
+            # between the check above and the script: check again.
             if given:
                 self._same_request(job_id, parsed, resolved)
             return KilnJob(job_id, self.connection)
-        queued = JobEvent(kind="queued", job_id=job_id, model=resolved.model, at=events.now())
-        events.publish(self.connection, [queued])
-        return KilnJob(job_id, self.connection)
+        return KilnJob(job_id, self.connection, after=after)
 
     def _same_request(
         self, job_id: str, parsed: RenderRequest, resolved: RenderRequest

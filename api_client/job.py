@@ -28,9 +28,12 @@ STOP_TTL_S = 24 * 3600
 class KilnJob:
     """A handle on one submitted job; cheap to make, reads Redis on every call."""
 
-    def __init__(self, job_id: str, connection: Redis) -> None:
+    def __init__(self, job_id: str, connection: Redis, after: str | None = None) -> None:
         self.id = job_id
         self._connection = connection
+        # The stream id of the job's queued event, when this handle made it (submit): the job
+        # exists, and wait() reads its events from there.
+        self._after = after
 
     def __repr__(self) -> str:
         return f"KilnJob({self.id!r})"
@@ -67,7 +70,7 @@ class KilnJob:
     def _outcome(self, job: Job) -> RenderResult | None:
         status = job.get_status(refresh=False)
         if status == JobStatus.FINISHED:
-            return RenderResult.model_validate(job.return_value(refresh=True))
+            return RenderResult.model_validate(stored_result(job))
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
             raw = job.get_meta(refresh=False).get("error")
             error = JobError.model_validate(raw) if raw else None
@@ -83,7 +86,8 @@ class KilnJob:
         end without an event (a job failed by RQ after its worker died).
         """
         deadline = time.monotonic() + timeout
-        after, checked = "0", float("-inf")
+        # A handle from submit() knows its job exists and what is in its stream so far.
+        after, checked = (self._after, time.monotonic()) if self._after else ("0", float("-inf"))
         while True:
             if time.monotonic() - checked >= poll:
                 checked = time.monotonic()
@@ -147,6 +151,14 @@ class KilnJob:
             )
             events.publish(self._connection, [stopped])
         return str(status.value)
+
+
+def stored_result(job: Job) -> Any:
+    """A finished job's return value. kiln workers keep it in the job hash's `result` field (read
+    by Job.fetch), written with the job's end in one round trip; RQ's own workers write it to a
+    results stream instead, which is read when the field is absent."""
+    stored = job._result  # rq's restore() read the hash's result field into it
+    return stored if stored is not None else job.return_value(refresh=True)
 
 
 def _last_line(result: Any) -> str | None:

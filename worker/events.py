@@ -36,9 +36,11 @@ class EventJournal:
         self.webhook = webhook
         self.interval_s = interval_s
         self.result: RenderResult | None = None
+        # "started" waits for the first flush like progress does: a short job writes it with
+        # its end, in the round trip the worker makes anyway, and its client wakes once.
         self._pending: list[JobEvent] = [self._event("started")]
         self._progress: JobEvent | None = None
-        self._flushed_at = float("-inf")
+        self._flushed_at = time.monotonic()
 
     def _event(self, kind: Any, **fields: Any) -> JobEvent:
         return JobEvent(kind=kind, job_id=self.job_id, model=self.model, at=events.now(), **fields)
@@ -73,7 +75,11 @@ class EventJournal:
             log.warning("job %s: %d events not written: %s", self.job_id, len(batch), exc)
 
     def finish(self, pipe: Any, kind: str, error: str | None = None) -> JobEvent:
-        """Queue what is buffered and the end event on the caller's pipeline; the end event."""
+        """Queue what is buffered and the end event on the caller's pipeline; the end event.
+        Progress not yet written is dropped when the job is done (its end says more), and kept
+        when it failed or stopped (where it got to)."""
+        if kind == "done":
+            self._progress = None
         end = self._event(
             kind,
             result=self.result if kind == "done" else None,

@@ -12,10 +12,10 @@ from typing import Any
 from rq.exceptions import AbandonedJobError
 from rq.job import Job
 
-from api_client import keys
+from api_client import events, keys
 from api_client.client import ABANDONED_RETRIES
 from api_client.errors import MESSAGE_LIMIT, short
-from api_client.schema import RENDER_FUNC, JobError
+from api_client.schema import RENDER_FUNC, JobError, JobEvent
 from worker import events as job_events
 from worker import quarantine
 from worker.errors import JobStopped, RefusedJob, ShutdownStop
@@ -31,7 +31,7 @@ class RenderJob(Job):
     """
 
     # Set by the worker that executes this job: its entry point into kiln's render.
-    run: Callable[[RenderJob], dict[str, Any]] | None = None
+    run: Callable[[], dict[str, Any]] | None = None
 
     @property
     def func(self) -> Callable[..., Any]:
@@ -40,7 +40,12 @@ class RenderJob(Job):
     def _execute(self) -> Any:
         if self.run is None:
             raise RuntimeError(f"job {self.id}: a kiln job runs only inside `kiln worker`")
-        return self.run(self)
+        return self.run()
+
+    def perform(self) -> Any:
+        # rq's perform() also sends a PERSIST: the worker's start round trip does, when needed.
+        self._result = self._execute()
+        return self._result
 
     def restore(self, raw_data: Any) -> None:
         # Every fetch passes here: a record kiln cannot read is quarantined, never half-read.
@@ -104,6 +109,12 @@ class RenderJob(Job):
                 f"abandoned {runs} time(s): its worker died running it (last: {self.worker_name})"
             )
             quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
+            # rq fails it next: its event stream ends (and expires) as any failed job's does.
+            model = self.origin.removeprefix(keys.QUEUE_PREFIX) if self.origin else None
+            failed = JobEvent(
+                kind="failed", job_id=self.id, model=model, at=events.now(), error=reason
+            )
+            events.publish(self.connection, [failed])
 
     @property
     def success_callback(self) -> None:
@@ -134,9 +145,9 @@ def record_error(job: Job, kind: str, message: str) -> None:
 
 class RQJobContext:
     """The job as a render sees it: progress and previews into its event journal (which writes
-    them a few times a second, worker/events.py), and stop requests, read from events the worker
-    sets without a Redis round trip per step: `cancelled` when its heartbeat thread finds the
-    job's stop key, `shutdown_now` on a second shutdown signal."""
+    them a few times a second, worker/events.py), and stop requests, read without a Redis round
+    trip of their own: `stop_asked` from the worker's start round trip, `cancelled` when its
+    heartbeat thread finds the job's stop key, `shutdown_now` on a second shutdown signal."""
 
     def __init__(
         self,
@@ -144,8 +155,10 @@ class RQJobContext:
         shutdown_now: threading.Event,
         cancelled: threading.Event,
         store: Store,
+        stop_asked: bool = False,
     ) -> None:
         self.job = job
+        self.stop_asked = stop_asked  # its stop key, read when the worker took it
         self.job_id: str = job.id
         enqueued = job.enqueued_at
         started = job.started_at or datetime.now(timezone.utc)
@@ -164,7 +177,7 @@ class RQJobContext:
             message = f"refused job {self.job_id}: " + "; ".join(problems)
             raise RefusedJob(short(message, MESSAGE_LIMIT))
         # A job cancelled while it sat in a queue (or while its worker died) never loads a model.
-        if self.job.connection.exists(keys.stop_key(self.job_id)):
+        if self.stop_asked:
             raise JobStopped(f"job {self.job_id} stopped on request before it started")
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None:

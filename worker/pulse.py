@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -17,6 +18,7 @@ REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 class Beating(Protocol):
     name: str
     heartbeat_interval_s: float
+    state_interval_s: float
 
     def maintain_running_job(self) -> bool: ...
 
@@ -26,7 +28,8 @@ class Beating(Protocol):
 
 
 class Pulse(threading.Thread):
-    """Beside the render: heartbeat, state, recovery of abandoned jobs.
+    """Beside the render: every heartbeat_interval_s the running job's heartbeat (and a look for
+    its cancel) and a look for abandoned jobs; every state_interval_s the worker's state.
 
     SimpleWorker only heartbeats between jobs; a render that outlives the heartbeat TTL would look
     abandoned, and a TTL long enough to cover any render would leave a killed worker's job stuck
@@ -37,6 +40,7 @@ class Pulse(threading.Thread):
         super().__init__(name=f"kiln-pulse-{worker.name}", daemon=True)
         self.worker = worker
         self.stopping = threading.Event()
+        self._state_at = time.monotonic()  # work() publishes the state as it starts
 
     def run(self) -> None:
         while not self.stopping.wait(self.worker.heartbeat_interval_s):
@@ -45,7 +49,9 @@ class Pulse(threading.Thread):
     def beat(self) -> None:
         try:
             fresh = self.worker.maintain_running_job()
-            self.worker.publish_state()
+            if time.monotonic() - self._state_at >= self.worker.state_interval_s:
+                self._state_at = time.monotonic()
+                self.worker.publish_state()
             # Only sweep after our own heartbeat landed: after a Redis outage our own job's entry
             # may have lapsed, and it must not be mistaken for an abandoned one.
             if fresh:

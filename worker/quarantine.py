@@ -28,7 +28,7 @@ from rq.job import JOB_ID_PATTERN, Job, JobStatus
 from rq.queue import Queue
 from rq.utils import str_to_date
 
-from api_client import keys
+from api_client import events, keys
 from api_client.client import MAX_JOB_ID_CHARS
 from api_client.errors import short
 
@@ -195,6 +195,8 @@ def move_aside(
         pipe.zadd(keys.QUARANTINE_ORDER_KEY, {entry.job_id: entry.at})
         if _keyable(job_id):
             pipe.delete(Job.key_for(job_id))
+            # Its event stream gets its TTL when a job ends; this one ends here.
+            pipe.expire(keys.events_key(job_id), events.EVENTS_TTL_S)
         for key in queue_keys:
             pipe.lrem(key, 0, job_id)
             pipe.lrem(f"{key}:intermediate", 0, job_id)

@@ -1,34 +1,40 @@
 """The RQ side of kiln: a worker that never forks and keeps its pipelines resident.
 
-The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does:
+The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does.
+RQ's data stays RQ's (job hash, queues, intermediate list, started and failed registries), so
+RQ's clean-ups, retries of abandoned jobs and `rq info` still work; RQ's own perform path, about
+40 commands in six round trips a job, is replaced by steps 3 and 7 (bench/RESULTS.md).
 
 1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop, round robin over the model
    queues. *dequeue_job_and_maintain_ttl moves a job id from its queue into RQ's intermediate
    list; *reorder_queues runs right after the pop: from here the job must run, whatever signal
    arrives, or it would sit in no queue and no registry.
 2. *execute_job caps the job's timeout at KILN_JOB_TIMEOUT_S and gives the job its entry point
-   into kiln (RenderJob.run = KilnWorker.render_job).
-3. *prepare_execution: RQ registers the execution (StartedJobRegistry); the Pulse thread now
-   keeps this job's heartbeat fresh (*get_heartbeat_ttl: 10 s, beat every 2 s) and, in the same
-   beat, looks for the job's stop key: a cancel reaches the render within a beat, with no Redis
-   round trip per denoising step.
-4. RQ's perform_job runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
+   into kiln (RenderJob.run = KilnWorker.render_job with the job's RQJobContext).
+3. _start, one round trip: the job hash says started, the started registry holds this execution
+   for *get_heartbeat_ttl (10 s), the id leaves the intermediate list, the stop key is read.
+   From here the Pulse thread pushes the registry entry on every 2 s and, in the same round trip,
+   looks for the job's stop key: a cancel reaches the render within a beat, with no Redis round
+   trip per denoising step.
+4. _perform runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
    RenderJob._execute -> render_job -> Renderer.render (worker/render.py: admit, validate,
    answer from disk, rung, load, generate, save). The render emits the job's one timing record
    and hands it to RecordPublisher (metrics, the model's timing fit in Redis).
-5. *handle_execution_ended: stop heartbeating before RQ tears the execution down.
-6. Success: RQ stores the result dict. Failure: *handle_exception keeps the exception for
-   *handle_job_failure: a ShutdownStop goes back to the front of its queue; a JobStopped ends
-   as stopped; anything else fails (RenderJob.should_retry is False: only jobs abandoned by a
-   dead worker are retried); a FatalWorkerError also ends this worker (exit 1).
-7. execute_job's finally sends one pipeline: the model's timing fit, the worker's state and the
-   job's last events (worker/events.py, the end one carrying the result, which wakes the client),
-   then hands the job's webhook to its thread. RQ's loop calls *heartbeat, which is where a
-   requested shutdown stops the loop.
+5. Heartbeats stop (the job is no longer _running) before the job's end is written.
+6. Failure: *handle_exception keeps the exception for *handle_job_failure (RQ's, one more round
+   trip): a ShutdownStop goes back to the front of its queue; a JobStopped ends as stopped;
+   anything else fails (RenderJob.should_retry is False: only jobs abandoned by a dead worker
+   are retried); a FatalWorkerError also ends this worker (exit 1).
+7. _after_job, one round trip: a success as RQ records it (_finish: status, result in the job
+   hash, out of the started registry, result TTL), the model's timing fit, the worker's state if
+   what is resident changed, and the job's last events (worker/events.py; the end one carries
+   the result and wakes the client); then the job's webhook goes to its thread. RQ's loop calls
+   *heartbeat, which is where a requested shutdown stops the loop.
 
 Beside it, every 2 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
-(*recover_abandoned). Signals: the first SIGTERM/SIGINT finishes the job and exits
-(*request_stop); a second stops it at its next step and re-queues it (*request_force_stop).
+(*recover_abandoned), and every 10 s publishes the worker's state with RQ's worker heartbeat.
+Signals: the first SIGTERM/SIGINT finishes the job and exits (*request_stop); a second stops it
+at its next step and re-queues it (*request_force_stop).
 
 Over 300 lines because this docstring and every RQ hook override stay in one place: the order
 in which RQ calls them is the thing to read together.
@@ -40,9 +46,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
+import uuid
 from datetime import datetime, timezone
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -53,12 +63,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
-from rq.job import Job
+from rq.executions import Execution
+from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
+from rq.suspension import WORKERS_SUSPENDED
 from rq.timeouts import UnixSignalDeathPenalty
-from rq.utils import current_timestamp, now
-from rq.worker import DequeueStrategy
+from rq.utils import current_timestamp, now, utcformat
+from rq.worker import DequeueStrategy, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
@@ -77,7 +89,9 @@ from worker.webhooks import Dispatcher, parse_targets
 
 log = logging.getLogger(__name__)
 WORKER_STATE_TTL_S = 60
-LOOP_BEAT_MIN_S = 1.0
+# The worker's published state, RQ's worker hash and the `rq suspend` check are refreshed this
+# often (their TTLs are 60 s and more), not around every job.
+STATE_INTERVAL_S = 10.0
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -131,6 +145,7 @@ class KilnWorker(SimpleWorker):
     # A killed worker's job is recovered within heartbeat_ttl_s + heartbeat_interval_s.
     heartbeat_interval_s = 2.0
     heartbeat_ttl_s = 10
+    state_interval_s = STATE_INTERVAL_S
     # Reconnect quickly after a Redis restart instead of RQ's backoff up to a minute.
     max_connection_wait_time = 5.0
 
@@ -156,9 +171,8 @@ class KilnWorker(SimpleWorker):
         # Set by the heartbeat thread when the running job's stop key appears (a cancel).
         self.cancelled = threading.Event()
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
-        # RQ's loop beats and checks for `rq suspend` three times around every job; once a
-        # second is plenty (the heartbeat thread keeps the running job fresh).
-        self._beat_at = self._suspension_checked_at = float("-inf")
+        self._suspension_checked_at = float("-inf")
+        self._published_resident: list[str] = []
         self.webhooks = Dispatcher.from_settings(renderer.settings)
 
     # -- the work loop --------------------------------------------------------------------------
@@ -167,7 +181,6 @@ class KilnWorker(SimpleWorker):
         # Round robin across model queues: a busy model must not starve the others.
         kwargs.setdefault("dequeue_strategy", DequeueStrategy.ROUND_ROBIN)
         self.shutdown_now.clear()
-        self.publish_state()  # clients see the worker before its first heartbeat
         self._pulse = Pulse(self)
         self._pulse.start()
         try:
@@ -175,6 +188,10 @@ class KilnWorker(SimpleWorker):
         finally:
             self._pulse.stop()
             self.webhooks.close()
+
+    def register_birth(self) -> None:
+        super().register_birth()  # type: ignore[no-untyped-call]
+        self.publish_state()  # clients see the worker before its first heartbeat
 
     @property
     def stopping(self) -> bool:
@@ -237,24 +254,97 @@ class KilnWorker(SimpleWorker):
         super().reorder_queues(reference_queue)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        """Steps 2-7 in place of RQ's prepare_execution / perform_job / handle_job_success, which
+        take about 40 Redis commands in six round trips a job: here the start is one round trip
+        and a success is written with the job's end events in the round trip after it."""
+        if not isinstance(job, RenderJob):  # its queues are made with job_class=RenderJob
+            raise TypeError(f"job {job.id} is a {type(job).__name__}, not a RenderJob")
         # KILN_JOB_TIMEOUT_S bounds every job, whatever timeout the producer asked for.
         if self.job_timeout_s is not None and (
             job.timeout is None or not 0 < job.timeout <= self.job_timeout_s
         ):
             job.timeout = self.job_timeout_s
-        if isinstance(job, RenderJob):
-            job.run = self.render_job
+        stop_asked = self._start(job, queue)
+        finished = False
         try:
-            super().execute_job(job, queue)
+            ctx = RQJobContext(
+                job, self.shutdown_now, self.cancelled, self.renderer.store, stop_asked
+            )
+            job.run = partial(self.render_job, ctx)
+            finished = self._perform(job, queue)
         finally:
             with self._running_lock:
                 self._running = None
-            self._after_job(job)
+            self._after_job(job, queue, finished)
+            self.execution = None
+            self._state = WorkerStatus.IDLE
 
-    def render_job(self, job: RenderJob) -> dict[str, Any]:
+    def _start(self, job: Job, queue: Queue) -> bool:
+        """Step 3, one round trip: the job hash says started (RQ's fields), the started registry
+        holds the execution until its heartbeat lapses, the job leaves RQ's intermediate list,
+        and its stop key is read (True: a cancel came while it was queued)."""
+        self.execution = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
+        self._state = WorkerStatus.BUSY
+        self.cancelled.clear()
+        with self.connection.pipeline(transaction=False) as pipe:
+            job.prepare_for_execution(self.name, pipeline=pipe)
+            if job.ttl:  # a producer's "expire if not started in time" ends when it starts
+                pipe.persist(job.key)
+            queue.started_job_registry.add_execution(
+                self.execution, pipeline=pipe, ttl=self.heartbeat_ttl_s
+            )
+            if len(self.queues) == 1:  # RQ pops through the intermediate list for one queue
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.exists(keys.stop_key(job.id))
+            *_, stop_asked = pipe.execute()
+        with self._running_lock:
+            self._running = job
+        return bool(stop_asked)
+
+    def _perform(self, job: Job, queue: Queue) -> bool:
+        """Step 4: the render under the job's deadline. False when it raised; RQ's failure
+        handling has then run (hooks in step 6)."""
+        try:
+            timeout = job.timeout or Queue.DEFAULT_TIMEOUT
+            penalty = self.death_penalty_class(timeout, JobDeadlineExceeded, job_id=job.id)  # type: ignore[no-untyped-call]
+            with penalty:
+                job.perform()
+        except BaseException:  # as RQ's perform_job: every way out of a job ends it
+            job.ended_at = now()
+            with self._running_lock:
+                self._running = None
+            exc_info = sys.exc_info()
+            self.handle_exception(job, *exc_info)
+            exc_string = "".join(traceback.format_exception(*exc_info))
+            self.handle_job_failure(job, queue, exc_string=exc_string)
+            return False
+        job.ended_at = now()
+        return True
+
+    def _finish(self, job: Job, queue: Queue, pipe: Any) -> None:
+        """A success as RQ readers see it, queued on the after-job pipeline: status, end time and
+        result in the job hash (RQ's `result` field: api_client reads it there), out of the
+        started registry, kept for its result TTL."""
+        job._status = JobStatus.FINISHED  # written below with the rest
+        pipe.hset(
+            job.key,
+            mapping={
+                "status": JobStatus.FINISHED.value,
+                "ended_at": utcformat(job.ended_at or now()),
+                "result": job.serializer.dumps(job._result),  # set by perform()
+            },
+        )
+        if self.execution is not None:
+            queue.started_job_registry.remove_execution(self.execution, pipeline=pipe)
+        ttl = job.get_result_ttl(self.default_result_ttl)
+        if ttl == 0:
+            pipe.delete(job.key)
+        elif ttl is not None and ttl > 0:
+            pipe.expire(job.key, ttl)
+
+    def render_job(self, ctx: RQJobContext) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
-        self.cancelled.clear()  # admit() reads the stop key itself, so no cancel is missed
-        ctx = RQJobContext(job, self.shutdown_now, self.cancelled, self.renderer.store)
+        job = ctx.job
         try:
             result = self.renderer.render(ctx.payload, ctx)
             ctx.events.result = result
@@ -268,18 +358,6 @@ class KilnWorker(SimpleWorker):
             record_error(job, type(exc).__name__, str(exc))
             raise
         return result.model_dump(mode="json")
-
-    def prepare_execution(self, job: Job) -> Any:
-        execution = super().prepare_execution(job)
-        with self._running_lock:
-            self._running = job
-        return execution
-
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
-        # Stop heartbeating before RQ tears the execution down, so a late beat cannot revive it.
-        with self._running_lock:
-            self._running = None
-        super().handle_execution_ended(job, queue, heartbeat_ttl)
 
     def get_heartbeat_ttl(self, job: Job) -> int:
         return self.heartbeat_ttl_s
@@ -316,19 +394,33 @@ class KilnWorker(SimpleWorker):
     # -- heartbeats, state, recovery (called from the pulse thread) -----------------------------
 
     def maintain_running_job(self) -> bool:
-        """Refresh the running job's heartbeat and look for a cancel of it (the render reads the
-        event at its next step); True when Redis took it (or nothing is running)."""
+        """One round trip: push the running job's entry in the started registry past the next
+        beat, and look for a cancel of it (the render reads the event at its next step); True
+        when Redis took it (or nothing is running)."""
         with self._running_lock:
-            job = self._running
-            if job is not None and self.execution is not None:
-                self.maintain_heartbeats(job)
-                if self.connection.exists(keys.stop_key(job.id)):
-                    self.cancelled.set()
+            job, execution = self._running, self.execution
+            if job is None or execution is None:
+                return True
+            with self.connection.pipeline(transaction=False) as pipe:
+                job.started_job_registry.add_execution(
+                    execution, pipeline=pipe, ttl=self.heartbeat_ttl_s, xx=True
+                )
+                pipe.exists(keys.stop_key(job.id))
+                _, stop_asked = pipe.execute()
+            if stop_asked:
+                self.cancelled.set()
         return True
 
     def recover_abandoned(self) -> None:
-        """Jobs whose worker stopped heartbeating go back to their queue (if retries are left)."""
-        for queue in self.queues:
+        """Jobs whose worker stopped heartbeating go back to their queue (if retries are left).
+        One command a queue when none has lapsed, which is nearly always."""
+        stamp = current_timestamp()
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in self.queues:
+                pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
+            found = pipe.execute()
+        lapsed = [queue for queue, due in zip(self.queues, found, strict=True) if due]
+        for queue in lapsed:
             # RQ's own lock: two sweepers would each re-queue the same job.
             if not queue.acquire_maintenance_lock():
                 continue
@@ -339,68 +431,83 @@ class KilnWorker(SimpleWorker):
                     job_class=RenderJob,
                     serializer=self.serializer,
                 )
-                quarantine.sweep(self.connection, queue.key, registry.key, current_timestamp())
-                registry.cleanup()
+                quarantine.sweep(self.connection, queue.key, registry.key, stamp)
+                registry.cleanup(stamp)
             finally:
                 queue.release_maintenance_lock()
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        if pipeline is None and self._stop_requested and not self._holding_job:
+        """RQ's loop calls this around every dequeue: here it only stops the loop when asked to.
+        The worker's hash is kept alive by the Pulse thread (publish_state), not once a job."""
+        if self._stop_requested and not self._holding_job:
             # RQ's dequeue loop heartbeats before each blocking pop: the safe point to stop.
             raise StopRequested()
-        if pipeline is None:
-            if time.monotonic() - self._beat_at < LOOP_BEAT_MIN_S:
-                return
-            self._beat_at = time.monotonic()
-        super().heartbeat(timeout, pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
-        if time.monotonic() - self._suspension_checked_at < LOOP_BEAT_MIN_S:
+        # `rq suspend` is looked for every STATE_INTERVAL_S with one EXISTS, not around each job.
+        if time.monotonic() - self._suspension_checked_at < self.state_interval_s:
             return
         self._suspension_checked_at = time.monotonic()
-        super().check_for_suspension(burst)
+        if self.connection.exists(WORKERS_SUSPENDED):
+            super().check_for_suspension(burst)
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        if pipeline is None and state == self._state:
-            return  # RQ sets idle twice between two jobs
-        super().set_state(state, pipeline)
+        # Busy/idle change twice a job; they reach Redis with the next publish_state.
+        self._state = state
 
     def publish_state(self, conn: Any = None, sweep: bool = True) -> None:
-        """The worker's state for clients (models, resident, heartbeat), from the heartbeat
-        thread and after each job; sweep also drops the names of long-silent workers."""
-        conn = conn if conn is not None else self.connection
-        now = time.time()
+        """The worker's state for clients (models, resident, busy or idle) and RQ's worker hash
+        heartbeat, every STATE_INTERVAL_S from the Pulse thread and after a job that changed what
+        is resident; sweep also drops the names of long-silent workers."""
+        pipe = conn if conn is not None else self.connection.pipeline(transaction=False)
+        moment = time.time()
+        resident = self.renderer.cache.model_ids()
         state = WorkerState(
             name=self.name,
             models=self.served,
-            resident=self.renderer.cache.model_ids(),
+            resident=resident,
             device=self.renderer.info.torch_device,
             device_name=self.renderer.info.name,
             state=str(self.get_state()),
-            heartbeat=now,
+            heartbeat=moment,
             pid=os.getpid(),
             host=socket.gethostname(),
         )
-        conn.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
-        conn.zadd(keys.WORKERS_KEY, {self.name: now})
+        pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
+        pipe.zadd(keys.WORKERS_KEY, {self.name: moment})
         if sweep:  # workers killed without a goodbye leave their name behind
-            conn.zremrangebyscore(keys.WORKERS_KEY, 0, now - WORKER_STATE_TTL_S)
+            pipe.zremrangebyscore(keys.WORKERS_KEY, 0, moment - WORKER_STATE_TTL_S)
+        self.last_heartbeat = now()
+        pipe.hset(
+            self.key,
+            mapping={"last_heartbeat": utcformat(self.last_heartbeat), "state": state.state},
+        )
+        pipe.expire(self.key, self.worker_ttl + 60)
+        self._published_resident = resident
+        if conn is None:
+            pipe.execute()
 
-    def _after_job(self, job: Job) -> None:
-        """Step 7, in one round trip: the model's timing fit, the worker's state and the job's
-        last events; then the job's webhook, sent from a background thread."""
+    def _after_job(self, job: Job, queue: Queue, finished: bool) -> None:
+        """Step 7, in one round trip: a success as RQ records it (_finish), the model's timing
+        fit, the worker's state when what is resident changed, and the job's last events (the
+        end one wakes the client); then the job's webhook, sent from a background thread."""
         renderer = self.renderer
         metrics.observe_resident(renderer.cache.rungs(), dev.allocated_bytes(renderer.info))
         end = None
         try:
-            with self.connection.pipeline() as pipe:
+            with self.connection.pipeline(transaction=False) as pipe:
+                if finished:
+                    self._finish(job, queue, pipe)
                 if isinstance(renderer.on_record, RecordPublisher):
                     renderer.on_record.flush(pipe)
-                self.publish_state(pipe, sweep=False)
+                if renderer.cache.model_ids() != self._published_resident:
+                    self.publish_state(pipe, sweep=False)
                 end = self._end_events(job, pipe)
                 pipe.execute()
         except REDIS_ERRORS as exc:
-            log.warning("could not publish state after job: %s", exc)
+            # A success not recorded is re-run once its registry entry lapses: answered from
+            # the store, not rendered again (worker/render.py step 2).
+            log.warning("could not record the end of job %s: %s", job.id, exc)
         if end is not None and end[1] is not None:
             self.webhooks.send(end[1], end[0])
 
@@ -446,6 +553,8 @@ class KilnWorker(SimpleWorker):
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
     """A worker named as its renderer, listening on the queues of the models it serves."""
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
+    # Where `rq info` and RQ's Queue.all() find queues (kiln's client does not register them).
+    connection.sadd(Queue.redis_queues_keys, *[f"rq:queue:{keys.queue_name(m)}" for m in models])
     # Names only (never URLs or secrets): clients check a request's webhook against them.
     targets = sorted(parse_targets(renderer.settings.webhooks))
     if targets:
