@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import NoPermissionError
+from rq.command import send_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -138,7 +140,7 @@ class KilnJob:
         Returns the status seen when the cancel was made.
         """
         # The stop key first: if a worker takes the job between our read and the cancel below,
-        # it still sees the key (before loading, or at the next step).
+        # it still sees the key (before loading, or within its worker's next state beat).
         self._connection.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
         job = self._fetch()
         status = job.get_status(refresh=False)
@@ -150,6 +152,11 @@ class KilnJob:
                 kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
             )
             events.publish(self._connection, [stopped])
+        elif status == JobStatus.STARTED and job.worker_name:
+            # RQ's stop-job command reaches the worker at once; an ACL without PUBLISH on
+            # rq:pubsub:* leaves the stop key, which the worker reads every 10 s.
+            with contextlib.suppress(NoPermissionError):
+                send_command(self._connection, job.worker_name, "stop-job", job_id=self.id)
         return str(status.value)
 
 

@@ -4,6 +4,7 @@ denoise step with status stopped and is not retried. Progress comes from the wor
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
     job = client.submit({"model": SLOW_MODEL, "prompt": "stop me", "steps": 40, "seed": 2})
     after = client.submit({"model": SLOW_MODEL, "prompt": "next", "steps": 2, "seed": 2})
     seen: list[Progress] = []
+    cancelled_at: list[float] = []
 
     def cancel_when_denoising() -> None:
         def step() -> Progress | None:
@@ -57,6 +59,7 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
 
         wait_until(step, 120, "denoising to begin")
         assert job.cancel() == "started"
+        cancelled_at.append(time.time())
 
     canceller = threading.Thread(target=cancel_when_denoising)
     canceller.start()
@@ -66,6 +69,10 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
     with pytest.raises(RenderFailed, match="stopped at step") as caught:
         job.wait(timeout=1)
     assert caught.value.status == "stopped"
+    # At once, by RQ's stop-job command: not at the worker's next look at the stop key (10 s).
+    [stopped] = [r for r in records(slow_settings.timings_log) if r.status == "stopped"]
+    late_s = stopped.finished_at.timestamp() - cancelled_at[0]
+    assert late_s < 1.0, late_s
     stopped_at = job.progress()
     assert stopped_at is not None and stopped_at.phase == "denoise" and stopped_at.step < 40
     # Stopped means stopped: not back on the queue despite the job's abandoned-retry budget.

@@ -32,9 +32,9 @@ WORKER_ACL = (
     "+@scripting +@pubsub +@connection -@dangerous +info +client|setname +client|list"
 )
 CLIENT_ACL = (
-    "user kiln-client on >client-secret ~rq:* ~kiln:* "
+    "user kiln-client on >client-secret ~rq:* ~kiln:* &rq:pubsub:* "
     "-@all +@read +@write +@keyspace +@list +@hash +@set +@sortedset +@string +@transaction "
-    "+@scripting +@connection -@dangerous +info"
+    "+@scripting +@connection -@dangerous +info +publish"
 )
 
 

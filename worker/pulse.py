@@ -18,9 +18,10 @@ REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 class Beating(Protocol):
     name: str
     heartbeat_interval_s: float
+    sweep_interval_s: float
     state_interval_s: float
 
-    def maintain_running_job(self) -> bool: ...
+    def maintain_running_job(self, look_for_stop: bool = True) -> bool: ...
 
     def publish_state(self) -> None: ...
 
@@ -28,8 +29,9 @@ class Beating(Protocol):
 
 
 class Pulse(threading.Thread):
-    """Beside the render: every heartbeat_interval_s the running job's heartbeat (and a look for
-    its cancel) and a look for abandoned jobs; every state_interval_s the worker's state.
+    """Beside the render: every heartbeat_interval_s the running job's heartbeat, every
+    sweep_interval_s a look for abandoned jobs, every state_interval_s the worker's state and a
+    look for a cancel of the running job that did not arrive over pub/sub.
 
     SimpleWorker only heartbeats between jobs; a render that outlives the heartbeat TTL would look
     abandoned, and a TTL long enough to cover any render would leave a killed worker's job stuck
@@ -40,7 +42,8 @@ class Pulse(threading.Thread):
         super().__init__(name=f"kiln-pulse-{worker.name}", daemon=True)
         self.worker = worker
         self.stopping = threading.Event()
-        self._state_at = time.monotonic()  # work() publishes the state as it starts
+        self._state_at = time.monotonic()  # the worker publishes its state as it starts
+        self._swept_at = float("-inf")
 
     def run(self) -> None:
         while not self.stopping.wait(self.worker.heartbeat_interval_s):
@@ -48,13 +51,15 @@ class Pulse(threading.Thread):
 
     def beat(self) -> None:
         try:
-            fresh = self.worker.maintain_running_job()
-            if time.monotonic() - self._state_at >= self.worker.state_interval_s:
+            state_due = time.monotonic() - self._state_at >= self.worker.state_interval_s
+            fresh = self.worker.maintain_running_job(look_for_stop=state_due)
+            if state_due:
                 self._state_at = time.monotonic()
                 self.worker.publish_state()
             # Only sweep after our own heartbeat landed: after a Redis outage our own job's entry
             # may have lapsed, and it must not be mistaken for an abandoned one.
-            if fresh:
+            if fresh and time.monotonic() - self._swept_at >= self.worker.sweep_interval_s:
+                self._swept_at = time.monotonic()
                 self.worker.recover_abandoned()
         except REDIS_ERRORS as exc:
             log.warning(

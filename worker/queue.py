@@ -43,6 +43,7 @@ in which RQ calls them is the thing to read together.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -92,6 +93,7 @@ WORKER_STATE_TTL_S = 60
 # The worker's published state, RQ's worker hash and the `rq suspend` check are refreshed this
 # often (their TTLs are 60 s and more), not around every job.
 STATE_INTERVAL_S = 10.0
+FIT_INTERVAL_S = 10.0
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -118,23 +120,36 @@ def worker_connection(url: str) -> Redis:
 
 class RecordPublisher:
     """The renderer's record listener in a worker: Prometheus counters now, and the model's
-    timing fit (fixed + per-step seconds, where clients read ETAs) in the worker's after-job
-    round trip (flush), not in a Redis call of its own."""
+    timing fit (fixed + per-step seconds, where clients read ETAs) queued on a pipeline the
+    worker already sends (flush): a size's first fit at once, later ones at most every
+    FIT_INTERVAL_S (fits move slowly; the rest go out with the worker's state)."""
 
     def __init__(self) -> None:
         self.fits = FitTracker()
         self._changed: set[tuple[str, int, int]] = set()
+        self._written_at: dict[tuple[str, int, int], float] = {}
+        self._lock = threading.Lock()  # the render thread adds, the pulse thread may flush
 
     def __call__(self, record: TimingRecord) -> None:
         metrics.observe(record)
-        key = self.fits.add(record)
-        if key is not None:
-            self._changed.add(key)
+        with self._lock:
+            key = self.fits.add(record)
+            if key is not None:
+                self._changed.add(key)
 
-    def flush(self, pipe: Any) -> None:
-        for key in self._changed:
-            pipe.hset(keys.FITS_KEY, keys.fit_field(*key), self.fits.fit(key).model_dump_json())
-        self._changed.clear()
+    def flush(self, pipe: Any, everything: bool = False) -> None:
+        moment = time.monotonic()
+        with self._lock:
+            due = {
+                key
+                for key in self._changed
+                if everything or moment - self._written_at.get(key, -math.inf) >= FIT_INTERVAL_S
+            }
+            for key in due:
+                fit = self.fits.fit(key).model_dump_json()
+                pipe.hset(keys.FITS_KEY, keys.fit_field(*key), fit)
+                self._written_at[key] = moment
+            self._changed -= due
 
 
 class KilnWorker(SimpleWorker):
@@ -142,9 +157,9 @@ class KilnWorker(SimpleWorker):
 
     job_class = RenderJob
     death_penalty_class = TimeoutPenalty
-    # A killed worker's job is recovered within heartbeat_ttl_s + heartbeat_interval_s.
     heartbeat_interval_s = 2.0
     heartbeat_ttl_s = 10
+    sweep_interval_s = 4.0  # a killed worker's job is back on its queue within about 16 s
     state_interval_s = STATE_INTERVAL_S
     # Reconnect quickly after a Redis restart instead of RQ's backoff up to a minute.
     max_connection_wait_time = 5.0
@@ -159,6 +174,10 @@ class KilnWorker(SimpleWorker):
         kwargs.setdefault("worker_ttl", 20)
         super().__init__(*args, **kwargs)
         self.renderer = renderer
+        # The renderer's records go to the worker's publisher (one kept across workers).
+        listener = renderer.on_record
+        self.publisher = listener if isinstance(listener, RecordPublisher) else RecordPublisher()
+        renderer.on_record = self.publisher
         self.job_timeout_s = job_timeout_s
         self.served = [q.name.removeprefix(keys.QUEUE_PREFIX) for q in self.queues]
         self._running: Job | None = None
@@ -286,6 +305,8 @@ class KilnWorker(SimpleWorker):
         self.execution = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
         self._state = WorkerStatus.BUSY
         self.cancelled.clear()
+        with self._running_lock:  # from here a stop-job command for it is taken
+            self._running = job
         with self.connection.pipeline(transaction=False) as pipe:
             job.prepare_for_execution(self.name, pipeline=pipe)
             if job.ttl:  # a producer's "expire if not started in time" ends when it starts
@@ -297,8 +318,6 @@ class KilnWorker(SimpleWorker):
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             pipe.exists(keys.stop_key(job.id))
             *_, stop_asked = pipe.execute()
-        with self._running_lock:
-            self._running = job
         return bool(stop_asked)
 
     def _perform(self, job: Job, queue: Queue) -> bool:
@@ -393,10 +412,11 @@ class KilnWorker(SimpleWorker):
 
     # -- heartbeats, state, recovery (called from the pulse thread) -----------------------------
 
-    def maintain_running_job(self) -> bool:
+    def maintain_running_job(self, look_for_stop: bool = True) -> bool:
         """One round trip: push the running job's entry in the started registry past the next
-        beat, and look for a cancel of it (the render reads the event at its next step); True
-        when Redis took it (or nothing is running)."""
+        beat and, with look_for_stop, read its stop key (a cancel normally arrives at once as
+        RQ's stop-job command; this catches one sent while the pub/sub connection was down).
+        True when Redis took it (or nothing is running)."""
         with self._running_lock:
             job, execution = self._running, self.execution
             if job is None or execution is None:
@@ -405,11 +425,22 @@ class KilnWorker(SimpleWorker):
                 job.started_job_registry.add_execution(
                     execution, pipeline=pipe, ttl=self.heartbeat_ttl_s, xx=True
                 )
-                pipe.exists(keys.stop_key(job.id))
-                _, stop_asked = pipe.execute()
-            if stop_asked:
+                if look_for_stop:
+                    pipe.exists(keys.stop_key(job.id))
+                stop_asked = pipe.execute()[1:]
+            if any(stop_asked):
                 self.cancelled.set()
         return True
+
+    def get_current_job_id(self, pipeline: Any = None) -> str | None:
+        # RQ reads this from its worker hash, which kiln does not write per job.
+        with self._running_lock:
+            return self._running.id if self._running is not None else None
+
+    def kill_horse(self, sig: Any = None) -> None:
+        """RQ's stop-job command (from job.cancel(), or `rq`'s send_stop_job_command) for the
+        running job, on RQ's pub/sub thread: the render stops at its next step."""
+        self.cancelled.set()
 
     def recover_abandoned(self) -> None:
         """Jobs whose worker stopped heartbeating go back to their queue (if retries are left).
@@ -456,9 +487,10 @@ class KilnWorker(SimpleWorker):
         self._state = state
 
     def publish_state(self, conn: Any = None, sweep: bool = True) -> None:
-        """The worker's state for clients (models, resident, busy or idle) and RQ's worker hash
-        heartbeat, every STATE_INTERVAL_S from the Pulse thread and after a job that changed what
-        is resident; sweep also drops the names of long-silent workers."""
+        """The worker's state for clients (models, resident, busy or idle), RQ's worker hash
+        heartbeat and timing fits not yet written: every STATE_INTERVAL_S from the Pulse thread,
+        and after a job that changed what is resident. sweep also drops the names of
+        long-silent workers."""
         pipe = conn if conn is not None else self.connection.pipeline(transaction=False)
         moment = time.time()
         resident = self.renderer.cache.model_ids()
@@ -483,6 +515,7 @@ class KilnWorker(SimpleWorker):
             mapping={"last_heartbeat": utcformat(self.last_heartbeat), "state": state.state},
         )
         pipe.expire(self.key, self.worker_ttl + 60)
+        self.publisher.flush(pipe, everything=True)
         self._published_resident = resident
         if conn is None:
             pipe.execute()
@@ -498,8 +531,7 @@ class KilnWorker(SimpleWorker):
             with self.connection.pipeline(transaction=False) as pipe:
                 if finished:
                     self._finish(job, queue, pipe)
-                if isinstance(renderer.on_record, RecordPublisher):
-                    renderer.on_record.flush(pipe)
+                self.publisher.flush(pipe)
                 if renderer.cache.model_ids() != self._published_resident:
                     self.publish_state(pipe, sweep=False)
                 end = self._end_events(job, pipe)
@@ -544,8 +576,11 @@ class KilnWorker(SimpleWorker):
     def teardown(self) -> None:
         try:
             super().teardown()  # type: ignore[no-untyped-call]
-            self.connection.delete(keys.worker_key(self.name))
-            self.connection.zrem(keys.WORKERS_KEY, self.name)
+            with self.connection.pipeline(transaction=False) as pipe:
+                self.publisher.flush(pipe, everything=True)
+                pipe.delete(keys.worker_key(self.name))
+                pipe.zrem(keys.WORKERS_KEY, self.name)
+                pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("could not withdraw worker state: %s", exc)
 

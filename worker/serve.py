@@ -53,7 +53,7 @@ def serve(
     started = time.perf_counter()
     from worker import device as dev
     from worker.loading import import_pipeline_classes
-    from worker.queue import RecordPublisher, make_worker, worker_connection
+    from worker.queue import make_worker, worker_connection
     from worker.render import Renderer
 
     import_pipeline_classes([manifests[m] for m in servable])
@@ -62,7 +62,7 @@ def serve(
     connection = worker_connection(settings.redis_url)
     connection.ping()
     name = name or default_worker_name()
-    renderer = Renderer(settings, manifests, info, worker_name=name, on_record=RecordPublisher())
+    renderer = Renderer(settings, manifests, info, worker_name=name)
     worker = make_worker(connection, renderer, servable)
     set_up = time.perf_counter()
     if prewarm:
