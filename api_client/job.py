@@ -84,8 +84,8 @@ class KilnJob:
         """Block until the job ends; return its result or raise RenderFailed / JobTimeout.
 
         Sleeps in XREAD BLOCK on the job's event stream, so it wakes when the worker writes the
-        job's end; it also reads the job's status at least every `poll` seconds, for jobs that
-        end without an event (a job failed by RQ after its worker died).
+        job's end; it also reads the job's status after every `poll` seconds without an event,
+        for jobs that end without one (a record quarantined, a job deleted).
         """
         deadline = time.monotonic() + timeout
         # A handle from submit() knows its job exists and what is in its stream so far.
@@ -101,7 +101,7 @@ class KilnJob:
                 raise JobTimeout(f"job {self.id} still {self.status()} after {timeout:.0f} s")
             key = keys.events_key(self.id)
             for event in events.read(self._connection, key, after, min(remaining, poll)):
-                after = event.id or after
+                after, checked = event.id or after, time.monotonic()  # the job is alive
                 if event.kind == "done" and event.result is not None:
                     return event.result  # the end event carries it: no second read
                 if event.terminal:
