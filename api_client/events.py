@@ -66,18 +66,25 @@ def read(conn: Redis, key: str, after: str, block_s: float | None) -> list[JobEv
 
 def latest_progress(conn: Redis, key: str, scan: int = 50) -> Progress | None:
     """The job's newest progress (with its newest preview's uri) since it last started or was
-    queued again, from the tail of its stream; None when there is none."""
+    queued again, from the tail of its stream; None when there is none. A done job is at the
+    end of its decode (the worker writes no last progress event before `done`)."""
     found: JobEvent | None = None
+    done: JobEvent | None = None
     preview: str | None = None
     answer: Any = conn.xrevrange(key, count=scan)
     for _entry_id, fields in answer or []:
         event = JobEvent.model_validate_json(fields[FIELD])
         if event.kind in ("queued", "started"):
             break
+        if event.kind == "done" and found is None:
+            done = event
         if event.kind == "preview" and preview is None and event.preview is not None:
             preview = event.preview.uri
-        if event.kind == "progress" and found is None:
+        if event.kind == "progress" and found is None and done is None:
             found = event
+    if done is not None and done.result is not None:
+        steps = done.result.steps
+        return Progress(phase="decode", step=steps, steps=steps, preview=preview)
     if found is None or found.phase is None:
         return None
     return Progress(

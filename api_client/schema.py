@@ -187,7 +187,7 @@ class RenderResult(BaseModel):
 
 
 class Progress(BaseModel):
-    """job.meta["progress"]: where a running job is; written by the worker only."""
+    """job.progress(): where a job is, from the worker's events on its stream."""
 
     phase: str
     step: int = 0
