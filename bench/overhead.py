@@ -126,6 +126,7 @@ def measure_fast(
     client = KilnClient(connection=conn, manifests_dir=settings.manifests)
     (work / "bare").mkdir(exist_ok=True)
 
+    @torch.inference_mode()  # as kiln's generate() runs it: the limit, not a slower baseline
     def bare(seed: int) -> None:
         image = bare_pipe(
             PROMPT,

@@ -21,15 +21,17 @@ class FamilySpec:
     """How kiln renders one family (api_client.manifest.Family names them)."""
 
     pipeline_class: str  # attribute of the diffusers package
-    encode: Callable[[Any, str, str, int, bool], Embeds]
+    encode: Callable[[Any, torch.device, str, str, int, bool], Embeds]
     decode: Callable[[Any, torch.Tensor], list[Image.Image]]
     fp16_safe: bool = True  # sd3 and flux overflow in fp16; they run bf16 or fp32
     denoiser: str = "unet"
 
 
-def _encode_sd15(pipe: Any, prompt: str, negative: str, count: int, cfg: bool) -> Embeds:
+def _encode_sd15(
+    pipe: Any, device: torch.device, prompt: str, negative: str, count: int, cfg: bool
+) -> Embeds:
     positive, negative_embeds = pipe.encode_prompt(
-        prompt, pipe._execution_device, count, cfg, negative_prompt=negative or None
+        prompt, device, count, cfg, negative_prompt=negative or None
     )
     embeds = {"prompt_embeds": positive}
     if cfg:
@@ -37,11 +39,13 @@ def _encode_sd15(pipe: Any, prompt: str, negative: str, count: int, cfg: bool) -
     return embeds
 
 
-def _encode_pooled(pipe: Any, prompt: str, negative: str, count: int, cfg: bool) -> Embeds:
+def _encode_pooled(
+    pipe: Any, device: torch.device, prompt: str, negative: str, count: int, cfg: bool
+) -> Embeds:
     """sdxl and sd3 return (embeds, negative, pooled, negative pooled)."""
     positive, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
         prompt=prompt,
-        device=pipe._execution_device,
+        device=device,
         num_images_per_prompt=count,
         do_classifier_free_guidance=cfg,
         negative_prompt=negative or None,

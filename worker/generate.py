@@ -53,7 +53,9 @@ def generate(
     with watch.phase("text_encode"):
         ctx.progress("text_encode", 0, steps)
         faults.check("text_encode", rung)
-        embeds = family.encode(pipe, request.prompt, request.negative_prompt, count, guidance > 1.0)
+        cfg = guidance > 1.0
+        device = loaded.execution_device
+        embeds = family.encode(pipe, device, request.prompt, request.negative_prompt, count, cfg)
 
     # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
     #    quarter when the request asks and the model has TAESD) and honours a stop request.

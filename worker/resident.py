@@ -3,6 +3,7 @@ them across jobs with least-recently-used eviction, and the release of their dev
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from collections import OrderedDict, deque
@@ -43,6 +44,14 @@ class LoadedPipeline:
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    @functools.cached_property
+    def execution_device(self) -> torch.device:
+        """Where the pipeline computes. diffusers' pipe._execution_device walks every module
+        for offload hooks on each read (2.5 ms on the tiny UNet's 468 modules, measured here);
+        a pipeline's placement is fixed for its life in the cache."""
+        device: torch.device = self.pipe._execution_device
+        return device
 
     @property
     def denoiser(self) -> torch.nn.Module:
