@@ -17,7 +17,7 @@ from api_client.schema import JobEvent, Progress
 
 JOB_STREAM_MAXLEN = 200  # a job writes a few dozen events at most (progress is throttled)
 QUEUE_STREAM_MAXLEN = 10_000  # about the last few thousand jobs of a model
-EVENTS_TTL_S = 7 * 24 * 3600  # as long as RQ keeps the job's result
+EVENTS_TTL_S = 7 * 24 * 3600  # from the job's end, as long as its result is kept
 BLOCK_SLICE_S = 2.0  # a blocking read wakes at least this often to check the job's status
 FIELD = b"event"
 QUEUE_KINDS = ("queued", "started", "done", "failed", "stopped")
@@ -25,8 +25,9 @@ QUEUE_KINDS = ("queued", "started", "done", "failed", "stopped")
 
 def add_events(pipe: Any, events: list[JobEvent], expire: bool = True) -> None:
     """Queue XADDs for each event (job stream, and its model's stream for lifecycle events) and,
-    with expire, (re)set the job stream's TTL, on a pipeline the caller executes: one round trip.
-    The stream's first writer sets the TTL; XADD keeps it, so later batches may skip it."""
+    with expire, set the job stream's TTL, on a pipeline the caller executes: one round trip.
+    A stream lives as long as its job: the TTL is set when the job ends (worker, cancel,
+    quarantine), as RQ sets the job hash's."""
     for event in events:
         body = event.model_dump_json(exclude={"id"}, exclude_none=True)
         pipe.xadd(keys.events_key(event.job_id), {FIELD: body}, maxlen=JOB_STREAM_MAXLEN)

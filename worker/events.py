@@ -68,7 +68,7 @@ class EventJournal:
             return
         try:
             with self.conn.pipeline(transaction=False) as pipe:
-                # The client's queued event set the TTL, and finish() sets it again: no EXPIRE.
+                # The stream gets its TTL with the job's end (finish()): none while it runs.
                 events.add_events(pipe, batch, expire=False)
                 pipe.execute()
         except RedisError as exc:

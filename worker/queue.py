@@ -2,8 +2,8 @@
 
 The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does.
 RQ's data stays RQ's (job hash, queues, intermediate list, started and failed registries), so
-RQ's clean-ups, retries of abandoned jobs and `rq info` still work; RQ's own perform path, about
-40 commands in six round trips a job, is replaced by steps 3 and 7 (bench/RESULTS.md).
+RQ's clean-ups and its retries of abandoned jobs still work; RQ's own perform path, about 40
+commands in six round trips a job, is replaced by steps 3 and 7 (bench/RESULTS.md).
 
 1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop, round robin over the model
    queues. *dequeue_job_and_maintain_ttl moves a job id from its queue into RQ's intermediate
@@ -13,9 +13,9 @@ RQ's clean-ups, retries of abandoned jobs and `rq info` still work; RQ's own per
    into kiln (RenderJob.run = KilnWorker.render_job with the job's RQJobContext).
 3. _start, one round trip: the job hash says started, the started registry holds this execution
    for *get_heartbeat_ttl (10 s), the id leaves the intermediate list, the stop key is read.
-   From here the Pulse thread pushes the registry entry on every 2 s and, in the same round trip,
-   looks for the job's stop key: a cancel reaches the render within a beat, with no Redis round
-   trip per denoising step.
+   From here the Pulse thread pushes the registry entry on every 2 s. A cancel arrives as RQ's
+   stop-job command on RQ's pub/sub thread (*get_current_job_id, *kill_horse set `cancelled`,
+   which the render reads at its next step): no Redis round trip per denoising step.
 4. _perform runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
    RenderJob._execute -> render_job -> Renderer.render (worker/render.py: admit, validate,
    answer from disk, rung, load, generate, save). The render emits the job's one timing record
@@ -31,8 +31,9 @@ RQ's clean-ups, retries of abandoned jobs and `rq info` still work; RQ's own per
    the result and wakes the client); then the job's webhook goes to its thread. RQ's loop calls
    *heartbeat, which is where a requested shutdown stops the loop.
 
-Beside it, every 2 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
-(*recover_abandoned), and every 10 s publishes the worker's state with RQ's worker heartbeat.
+Beside it, every 4 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
+(*recover_abandoned), and every 10 s publishes the worker's state with RQ's worker heartbeat
+and reads the running job's stop key (a stop-job command lost while pub/sub reconnected).
 Signals: the first SIGTERM/SIGINT finishes the job and exits (*request_stop); a second stops it
 at its next step and re-queues it (*request_force_stop).
 
@@ -187,7 +188,8 @@ class KilnWorker(SimpleWorker):
         self._holding_job = False
         # Set by a second SIGTERM/SIGINT: the running job stops at its next step and is re-queued.
         self.shutdown_now = threading.Event()
-        # Set by the heartbeat thread when the running job's stop key appears (a cancel).
+        # Set by a stop-job command for the running job (a cancel), or by the Pulse thread
+        # finding its stop key.
         self.cancelled = threading.Event()
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
         self._suspension_checked_at = float("-inf")
