@@ -22,7 +22,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.webhook import Webhook
 
-from api_client import RenderFailed, keys
+from api_client import KilnJob, RenderFailed, keys
+from api_client.events import EVENTS_TTL_S
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from worker.queue import RenderJob, make_worker
 
@@ -166,6 +167,10 @@ def test_abandoned_hostile_job_runs_no_callback_during_recovery(
     worker.recover_abandoned()
     assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"failed"  # no retries were asked for
     assert IMPORT_CANARY not in sys.modules
+    # Its event stream ends as a failed job's does, with why, and expires with it.
+    [failed] = KilnJob(job_id, redis_conn).events(timeout=1)
+    assert failed.kind == "failed" and "abandoned 1 time(s)" in (failed.error or ""), failed
+    assert 0 < redis_conn.ttl(keys.events_key(job_id)) <= EVENTS_TTL_S
     assert isinstance(
         RenderJob.fetch(job_id, connection=redis_conn, serializer=JSONSerializer), RenderJob
     )

@@ -309,17 +309,24 @@ class KilnWorker(SimpleWorker):
         self.cancelled.clear()
         with self._running_lock:  # from here a stop-job command for it is taken
             self._running = job
-        with self.connection.pipeline(transaction=False) as pipe:
-            job.prepare_for_execution(self.name, pipeline=pipe)
-            if job.ttl:  # a producer's "expire if not started in time" ends when it starts
-                pipe.persist(job.key)
-            queue.started_job_registry.add_execution(
-                self.execution, pipeline=pipe, ttl=self.heartbeat_ttl_s
-            )
-            if len(self.queues) == 1:  # RQ pops through the intermediate list for one queue
-                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipe.exists(keys.stop_key(job.id))
-            *_, stop_asked = pipe.execute()
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                job.prepare_for_execution(self.name, pipeline=pipe)
+                if job.ttl:  # a producer's "expire if not started in time" ends as it starts
+                    pipe.persist(job.key)
+                queue.started_job_registry.add_execution(
+                    self.execution, pipeline=pipe, ttl=self.heartbeat_ttl_s
+                )
+                if len(self.queues) == 1:  # RQ pops through the intermediate list for one queue
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                pipe.exists(keys.stop_key(job.id))
+                *_, stop_asked = pipe.execute()
+        except BaseException:
+            # Redis gone for good (after the connection's minute of retries): the job stays in
+            # the intermediate list, where RQ's maintenance fails it, as with RQ's own start.
+            with self._running_lock:
+                self._running, self.execution = None, None
+            raise
         return bool(stop_asked)
 
     def _perform(self, job: Job, queue: Queue) -> bool:
