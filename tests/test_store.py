@@ -22,7 +22,7 @@ from tests.conftest import ROOT
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.hookserver import HookServer
 from tests.s3server import BUCKET, MotoServer
-from tests.workers import free_port, wait_until
+from tests.workers import free_port, pace_here, wait_until
 from worker.context import LocalContext
 
 SECRET = "studio-webhook-secret-0123456789"
@@ -39,8 +39,14 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 
 
 def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
-    redis_conn: Redis, redis_url: str, make_settings: Any, s3: MotoServer, tmp_path: Path
+    redis_conn: Redis,
+    redis_url: str,
+    make_settings: Any,
+    s3: MotoServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    pace_here(monkeypatch, 0.1)  # 8 steps outlast a progress interval, however fast the machine
     hooks = HookServer()
     hooks.start()
     webhooks = json.dumps({"studio": {"url": hooks.url, "secret": SECRET}})
