@@ -339,8 +339,6 @@ class KilnWorker(SimpleWorker):
                 job.perform()
         except BaseException:  # as RQ's perform_job: every way out of a job ends it
             job.ended_at = now()
-            with self._running_lock:
-                self._running = None
             exc_info = sys.exc_info()
             self.handle_exception(job, *exc_info)
             exc_string = "".join(traceback.format_exception(*exc_info))
