@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[worker,dev]'
+	$(PY) -m pip install -q --no-deps 'rq-exporter==3.1.0'
 	@touch $(STAMP)
 
 run: $(STAMP)
