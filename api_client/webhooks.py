@@ -1,40 +1,102 @@
-"""Webhook signatures, shared by the worker that signs and the backend that verifies.
+"""Webhook deliveries as the Standard Webhooks specification (standardwebhooks.com) has them,
+shared by the worker that signs, the backend that verifies, and whoever ends a job outside a
+worker's render (the outbox).
 
 A delivery is an HTTP POST whose body is one JobEvent (done, failed or stopped) as JSON, with:
 
-    Kiln-Delivery:   a stable id per job and outcome; retries repeat it, receivers deduplicate on it
-    Kiln-Event:      done | failed | stopped
-    Kiln-Timestamp:  unix seconds when this attempt was signed
-    Kiln-Signature:  v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>
+    webhook-id:         a stable id per job and outcome; retries repeat it, receivers dedupe on it
+    webhook-timestamp:  unix seconds (an integer) when this attempt was signed
+    webhook-signature:  v1,<base64 HMAC-SHA256(key, "<id>.<timestamp>.<body>")>; several
+                        space-separated signatures may be given, any one may match
+    Kiln-Event:         done | failed | stopped (also the body's `kind`)
 
-The timestamp is inside the MAC, so a receiver that rejects old timestamps rejects replays.
+The secret is `whsec_` + base64 of 24 to 64 random bytes; the key is those bytes. Any other
+form is refused (secret_key), so the same string works in every Standard Webhooks library
+(`standardwebhooks.Webhook(secret).verify(body, headers)`, svix, ...). The timestamp is inside
+the MAC, so a receiver that rejects old timestamps (5 minutes, as those libraries do) rejects
+replays.
+
+The outbox: a job that ends where no worker's sender is at hand (cancelled while queued by a
+client, failed as abandoned in a worker's clean-up, quarantined) has its end event pushed with
+queue_webhook onto `kiln:webhook-outbox:<target>`, a capped list with a TTL. Workers configured
+with that target pop it (RPOP: each entry goes to one worker) and deliver it as their own; an
+entry for a target no worker knows stays until the list expires.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import time
 from collections.abc import Mapping
+from typing import Any
 
-from api_client.errors import KilnError
-from api_client.schema import JobEvent
+from pydantic import BaseModel, ValidationError
+from redis import Redis
+from redis.client import Pipeline
 
-DELIVERY_HEADER = "Kiln-Delivery"
+from api_client.errors import KilnError, short
+from api_client.schema import WEBHOOK_NAME, JobEvent
+
+ID_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"
+SIGNATURE_HEADER = "webhook-signature"
 EVENT_HEADER = "Kiln-Event"
-TIMESTAMP_HEADER = "Kiln-Timestamp"
-SIGNATURE_HEADER = "Kiln-Signature"
-SCHEME = "v1"
-TOLERANCE_S = 300
+_SIGNED_HEADERS = (ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER)
+SECRET_PREFIX = "whsec_"
+KEY_BYTES = (24, 64)  # the spec's range for a secret's random bytes
+TOLERANCE_S = 300  # what the Standard Webhooks libraries accept either side of now
+SECRET_FORM = (
+    f"whsec_ followed by the base64 of {KEY_BYTES[0]}-{KEY_BYTES[1]} random bytes, as "
+    "Standard Webhooks has it (README, Webhooks: how to make one)"
+)
+
+OUTBOX_PREFIX = "kiln:webhook-outbox:"  # list per target, newest first: OutboxEntry JSON
+OUTBOX_MAX = 1000  # entries kept per target; the oldest go first
+OUTBOX_TTL_S = 86400  # the list expires this long after its last push
 
 
 class WebhookInvalid(KilnError):
-    """A delivery whose signature, timestamp or body does not check out: do not act on it."""
+    """A delivery whose headers, signature, timestamp or body do not check out: do not act on
+    it. The message says which check failed."""
 
 
-def signature(secret: str, timestamp: str, body: bytes) -> str:
-    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
-    return f"{SCHEME}={mac.hexdigest()}"
+def secret_key(secret: str) -> bytes:
+    """The HMAC key in a `whsec_<base64>` secret; ValueError naming the expected form (never
+    the secret) for anything else. Decodes as the Standard Webhooks libraries do (padding may
+    be left off), but strictly: a character outside base64 is refused, not skipped."""
+    if not secret.startswith(SECRET_PREFIX):
+        raise ValueError(f"must be {SECRET_FORM}")
+    encoded = secret[len(SECRET_PREFIX) :]
+    try:
+        key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+    except binascii.Error:
+        raise ValueError(f"is not valid base64 after whsec_; expected {SECRET_FORM}") from None
+    if not KEY_BYTES[0] <= len(key) <= KEY_BYTES[1]:
+        raise ValueError(f"decodes to {len(key)} bytes; expected {SECRET_FORM}")
+    return key
+
+
+def signature(secret: str, msg_id: str, timestamp: str, body: bytes) -> str:
+    """`v1,<base64>`: HMAC-SHA256 with the secret's key over `<id>.<timestamp>.<body>`."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    mac = hmac.new(secret_key(secret), signed, hashlib.sha256).digest()
+    return f"v1,{base64.b64encode(mac).decode()}"
+
+
+def webhook_headers(
+    secret: str, msg_id: str, kind: str, body: bytes, now: float | None = None
+) -> dict[str, str]:
+    """The headers of one delivery attempt, signed now."""
+    timestamp = str(int(time.time() if now is None else now))
+    return {
+        ID_HEADER: msg_id,
+        TIMESTAMP_HEADER: timestamp,
+        SIGNATURE_HEADER: signature(secret, msg_id, timestamp, body),
+        EVENT_HEADER: kind,
+    }
 
 
 def verify_webhook(
@@ -46,25 +108,63 @@ def verify_webhook(
 ) -> JobEvent:
     """The delivered JobEvent, or WebhookInvalid saying which check failed.
 
-    headers: any mapping of the request's headers (names are matched case-insensitively).
+    secret: the target's `whsec_...` secret (ValueError if it is not one). headers: any mapping
+    of the request's headers; names are matched case-insensitively.
     """
     lowered = {k.lower(): v for k, v in headers.items()}
-    timestamp = lowered.get(TIMESTAMP_HEADER.lower())
-    given = lowered.get(SIGNATURE_HEADER.lower())
-    if not timestamp or not given:
-        raise WebhookInvalid(f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header")
-    try:
-        sent = float(timestamp)
-    except ValueError:
-        raise WebhookInvalid(f"{TIMESTAMP_HEADER} {timestamp!r} is not unix seconds") from None
-    age = (time.time() if now is None else now) - sent
+    values = [lowered.get(name, "") for name in _SIGNED_HEADERS]
+    missing = [name for name, value in zip(_SIGNED_HEADERS, values, strict=True) if not value]
+    if missing:
+        raise WebhookInvalid(f"missing header(s): {', '.join(missing)}")
+    msg_id, timestamp, given = values
+    if not timestamp.isdigit():
+        raise WebhookInvalid(f"{TIMESTAMP_HEADER} {short(timestamp, 40)!r} is not unix seconds")
+    age = (time.time() if now is None else now) - int(timestamp)
     if abs(age) > tolerance_s:
-        raise WebhookInvalid(f"{TIMESTAMP_HEADER} is {age:.0f} s off, over {tolerance_s:.0f} s")
-    expected = signature(secret, timestamp, body)
-    # A header may list several signatures (during a secret rotation): any one may match.
-    if not any(hmac.compare_digest(expected, part.strip()) for part in given.split(",")):
-        raise WebhookInvalid(f"{SIGNATURE_HEADER} does not match the body and timestamp")
+        when = "old" if age > 0 else "in the future"
+        raise WebhookInvalid(
+            f"{TIMESTAMP_HEADER} is {abs(age):.0f} s {when}, over the {tolerance_s:.0f} s tolerance"
+        )
+    expected = signature(secret, msg_id, timestamp, body)
+    # Several signatures during a secret rotation; versions other than v1 are skipped.
+    if not any(hmac.compare_digest(expected, part) for part in given.split()):
+        raise WebhookInvalid(
+            f"{SIGNATURE_HEADER} has no v1 signature matching the id, timestamp and body "
+            "(another secret, or a changed body)"
+        )
     try:
         return JobEvent.model_validate_json(body)
-    except ValueError as exc:
+    except ValidationError as exc:
         raise WebhookInvalid(f"signed body is not a kiln JobEvent: {exc}") from None
+
+
+class OutboxEntry(BaseModel):
+    """One delivery waiting in the outbox for a worker that knows its target."""
+
+    target: str
+    event: JobEvent
+
+
+def outbox_key(target: str) -> str:
+    return f"{OUTBOX_PREFIX}{target}"
+
+
+def queue_webhook(redis: Redis | Pipeline, request: Any, event: JobEvent) -> bool:
+    """Put the job's end event in the outbox of the target its request names (the request
+    payload as enqueued); False, and nothing written, when it names none.
+
+    Given a pipeline, the commands join it (the caller executes it); given a connection, they
+    go in one round trip of their own. Client-side: needs no targets or secrets.
+    """
+    target = request.get("webhook") if isinstance(request, dict) else None
+    if not isinstance(target, str) or not WEBHOOK_NAME.fullmatch(target):
+        return False
+    entry = OutboxEntry(target=target, event=event).model_dump_json(exclude_none=True)
+    pipe = redis if isinstance(redis, Pipeline) else redis.pipeline(transaction=False)
+    key = outbox_key(target)
+    pipe.lpush(key, entry)
+    pipe.ltrim(key, 0, OUTBOX_MAX - 1)
+    pipe.expire(key, OUTBOX_TTL_S)
+    if pipe is not redis:
+        pipe.execute()
+    return True

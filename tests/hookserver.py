@@ -1,19 +1,37 @@
 """A live webhook receiver for tests: http.server on 127.0.0.1 in a thread, keeping every POST
-(headers and body). It can be started late on a fixed port, to play a receiver that was down."""
+(headers, looked up in any case as HTTP has them, and body). It can be started late on a fixed
+port, to play a receiver that was down."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.workers import free_port, wait_until
 
 
+class Headers(dict[str, str]):
+    """Header names stored lowercased and found in any case (`headers["Webhook-Id"]`)."""
+
+    def __init__(self, items: Iterable[tuple[str, str]]) -> None:
+        super().__init__((name.lower(), value) for name, value in items)
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
+
 @dataclass(frozen=True)
 class Received:
     path: str
-    headers: dict[str, str]
+    headers: Headers
     body: bytes
 
 
@@ -39,7 +57,7 @@ class HookServer:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 answering.wait(60)
-                received.append(Received(self.path, dict(self.headers.items()), body))
+                received.append(Received(self.path, Headers(self.headers.items()), body))
                 self.send_response(204)
                 self.end_headers()
 

@@ -1,24 +1,50 @@
-"""Webhooks against a live local receiver (http.server on 127.0.0.1): signed deliveries, a
-receiver that is down for a while, a slow receiver, and targets that are not configured."""
+"""Webhooks against live local receivers (http.server on 127.0.0.1, and the fakes in
+tests/fixtures): Standard Webhooks signatures checked by the `standardwebhooks` package itself, a
+receiver that is down for a while, one that hangs, one that answers malformed HTTP, a slow one,
+targets that are not configured, and the Redis outbox for job ends outside a worker's render."""
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
+import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from redis import Redis
+from standardwebhooks import Webhook, WebhookVerificationError
 
 from api_client import RenderFailed, RequestRejected
 from api_client.schema import JobEvent
-from api_client.webhooks import WebhookInvalid, signature, verify_webhook
+from api_client.webhooks import (
+    OUTBOX_MAX,
+    OUTBOX_TTL_S,
+    WebhookInvalid,
+    outbox_key,
+    queue_webhook,
+    signature,
+    verify_webhook,
+)
+from tests.fixtures.hung_receiver import HungReceiver
+from tests.fixtures.malformed_receiver import MalformedReceiver
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
 from tests.hookserver import HookServer
-from tests.workers import free_port
-from worker.webhooks import Dispatcher, WebhooksInvalid, WebhookTarget, delivery_id, parse_targets
+from tests.workers import free_port, wait_until
+from worker.webhooks import (
+    DRAIN_BATCH,
+    TIMEOUT_S,
+    Dispatcher,
+    WebhooksInvalid,
+    WebhookTarget,
+    delivery_id,
+    parse_targets,
+)
 
-SECRET = "receiver-secret-0123456789"
+SECRET = "whsec_" + base64.b64encode(b"receiver-secret-0123456789abcdef").decode()
+OTHER_SECRET = "whsec_" + base64.b64encode(b"another-secret-0123456789abcdef!").decode()
 REQUEST = {"model": "tiny-sd15", "prompt": "a kite", "steps": 2, "seed": 1}
 
 
@@ -30,7 +56,11 @@ def _dispatcher(url: str, **options: Any) -> Dispatcher:
     return Dispatcher({"studio": WebhookTarget(url=url, secret=SECRET)}, **options)
 
 
-def test_a_delivery_verifies_and_a_tampered_one_does_not() -> None:
+def _failed_tries(caplog: pytest.LogCaptureFixture, reason: str) -> int:
+    return sum("failed (" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_a_delivery_verifies_with_standardwebhooks_and_kilns_helper() -> None:
     hooks = HookServer()
     hooks.start()
     dispatcher = _dispatcher(hooks.url)
@@ -40,21 +70,55 @@ def test_a_delivery_verifies_and_a_tampered_one_does_not() -> None:
     finally:
         dispatcher.close()
         hooks.stop()
+    # The stock library, given only the secret string, the body and the headers as received.
+    assert Webhook(SECRET).verify(delivery.body, delivery.headers)["job_id"] == "job-1"
     event = verify_webhook(SECRET, delivery.body, delivery.headers)
     assert (event.kind, event.job_id, event.error) == ("failed", "job-1", "boom")
-    assert delivery.headers["Kiln-Delivery"] == sent == delivery_id(event)
+    assert delivery.headers["webhook-id"] == sent == delivery_id(event)
+    assert delivery.headers["Kiln-Event"] == "failed"
+    assert delivery.headers["webhook-signature"].startswith("v1,")
+
     tampered = delivery.body.replace(b"boom", b"fine")
-    with pytest.raises(WebhookInvalid, match="does not match"):
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SECRET).verify(tampered, delivery.headers)
+    with pytest.raises(WebhookInvalid, match="no v1 signature matching"):
         verify_webhook(SECRET, tampered, delivery.headers)
-    with pytest.raises(WebhookInvalid, match="does not match"):
-        verify_webhook("another-secret-0123456789", delivery.body, delivery.headers)
-    stale = {**delivery.headers, "Kiln-Timestamp": str(int(time.time()) - 3600)}
-    stale["Kiln-Signature"] = signature(SECRET, stale["Kiln-Timestamp"], delivery.body)
-    with pytest.raises(WebhookInvalid, match="off, over 300 s"):
+    with pytest.raises(WebhookInvalid, match="no v1 signature matching"):
+        verify_webhook(OTHER_SECRET, delivery.body, delivery.headers)
+    replayed = {**delivery.headers, "webhook-id": "another-id"}
+    with pytest.raises(WebhookInvalid, match="no v1 signature matching"):
+        verify_webhook(SECRET, delivery.body, replayed)
+    stale = {**delivery.headers, "webhook-timestamp": str(int(time.time()) - 3600)}
+    stale["webhook-signature"] = signature(
+        SECRET, stale["webhook-id"], stale["webhook-timestamp"], delivery.body
+    )
+    with pytest.raises(WebhookVerificationError, match="too old"):
+        Webhook(SECRET).verify(delivery.body, stale)
+    with pytest.raises(WebhookInvalid, match=r"3[56]\d\d s old, over the 300 s tolerance"):
         verify_webhook(SECRET, delivery.body, stale)
+    with pytest.raises(WebhookInvalid, match=r"missing header\(s\): webhook-signature"):
+        verify_webhook(SECRET, delivery.body, {**delivery.headers, "webhook-signature": ""})
 
 
-def test_a_receiver_down_for_a_while_still_gets_the_delivery_once() -> None:
+def test_kilns_helper_accepts_what_the_stock_library_signs() -> None:
+    # A signature list as a rotating sender makes it: an unknown version, then v1.
+    body = _event("job-lib").model_dump_json().encode()
+    now = int(time.time())
+    when = datetime.fromtimestamp(now, tz=timezone.utc)
+    signed = Webhook(SECRET).sign("msg_1", when, body.decode())
+    headers = {
+        "Webhook-Id": "msg_1",
+        "Webhook-Timestamp": str(now),
+        "Webhook-Signature": f"v2,c29tZXRoaW5n {signed}",
+    }
+    assert verify_webhook(SECRET, body, headers).job_id == "job-lib"
+    assert signature(SECRET, "msg_1", str(now), body) == signed
+
+
+def test_a_receiver_down_for_a_while_still_gets_the_delivery_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="worker.webhooks")
     port = free_port()
     hooks = HookServer(port=port)
     dispatcher = _dispatcher(hooks.url, attempts=20, backoff_s=0.2)
@@ -62,17 +126,69 @@ def test_a_receiver_down_for_a_while_still_gets_the_delivery_once() -> None:
         started = time.monotonic()
         sent = dispatcher.send("studio", _event("job-down"))
         assert time.monotonic() - started < 0.05  # queued, not sent inline
-        time.sleep(1.0)  # several refused tries (0.2, 0.4 s backoff)
+        wait_until(lambda: _failed_tries(caplog, "refused") >= 2, 15, "two refused tries")
         assert hooks.received == [] and dispatcher.pending() == 1
         hooks.start()
         [delivery] = hooks.wait_for(1, timeout=15)
-        time.sleep(0.5)
-        assert len(hooks.received) == 1 and dispatcher.pending() == 0
+        wait_until(lambda: dispatcher.pending() == 0, 15, "the delivery to be settled")
+        assert len(hooks.received) == 1  # nothing left that could send it again
     finally:
         dispatcher.close()
         hooks.stop()
-    assert delivery.headers["Kiln-Delivery"] == sent
+    assert delivery.headers["webhook-id"] == sent
     assert verify_webhook(SECRET, delivery.body, delivery.headers).job_id == "job-down"
+
+
+def test_a_hung_receiver_delays_only_its_own_target() -> None:
+    hung, hooks = HungReceiver(), HookServer()
+    hung.start()
+    hooks.start()
+    dispatcher = Dispatcher(
+        {
+            "stuck": WebhookTarget(url=hung.url, secret=SECRET),
+            "studio": WebhookTarget(url=hooks.url, secret=SECRET),
+        }
+    )
+    try:
+        for n in range(3):
+            dispatcher.send("stuck", _event(f"job-stuck-{n}"))
+        wait_until(lambda: hung.requests == 1, 10, "the hung receiver to hold a request")
+        started = time.monotonic()
+        dispatcher.send("studio", _event("job-studio"))
+        [delivery] = hooks.wait_for(1, timeout=TIMEOUT_S / 2)
+        took = time.monotonic() - started
+        # Still hanging: its first try has not timed out and the other two wait behind it.
+        wait_until(lambda: dispatcher.pending() == 3, 5, "only the hung target's three pending")
+        assert hung.requests == 1
+    finally:
+        hung.stop()
+        dispatcher.close(timeout=0)
+        hooks.stop()
+    assert took < 3.0, f"the studio delivery took {took:.1f} s behind a hung receiver"
+    assert verify_webhook(SECRET, delivery.body, delivery.headers).job_id == "job-studio"
+
+
+def test_a_malformed_answer_is_retried_and_the_sender_lives_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="worker.webhooks")
+    malformed = MalformedReceiver()
+    malformed.start()
+    hooks = HookServer(port=malformed.port)  # the receiver fixed later, at the same address
+    dispatcher = _dispatcher(malformed.url, attempts=50, backoff_s=0.1)
+    try:
+        dispatcher.send("studio", _event("job-first"))
+        wait_until(lambda: _failed_tries(caplog, "BadStatusLine") >= 2, 15, "two malformed answers")
+        malformed.stop()
+        hooks.start()
+        hooks.wait_for(1, timeout=15)  # the same delivery, by the same sender thread
+        dispatcher.send("studio", _event("job-later"))
+        deliveries = hooks.wait_for(2, timeout=15)
+    finally:
+        dispatcher.close()
+        hooks.stop()
+    jobs = [verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries]
+    assert jobs == ["job-first", "job-later"] and malformed.requests >= 2
 
 
 def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_settings: Any) -> None:
@@ -93,14 +209,16 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
         worker.work(burst=True)
         # Both jobs ended while the receiver still sat on the first delivery.
         assert [client.job(j.id).status() for j in (first, second)] == ["finished"] * 2
-        assert hooks.received == [] and worker.webhooks.pending() >= 1
+        assert hooks.received == [] and worker.webhooks.pending() == 2
         hooks.answering.set()
         deliveries = hooks.wait_for(2, timeout=30)
     finally:
         hooks.stop()
-    assert sorted(verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries) == sorted(
-        [first.id, second.id]
-    )
+    # A try that outlived its timeout is answered late too: the same delivery, twice at most.
+    assert {verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries} == {
+        first.id,
+        second.id,
+    }
 
 
 def test_unknown_targets_are_rejected_at_submit_and_by_the_worker(
@@ -128,13 +246,96 @@ def test_unknown_targets_are_rejected_at_submit_and_by_the_worker(
 
 
 def test_bad_webhook_configuration_is_named_without_its_secret() -> None:
-    short = json.dumps({"studio": {"url": "http://h/x", "secret": "tooshort"}})
-    with pytest.raises(WebhooksInvalid, match=r"target 'studio': secret: .*16") as caught:
-        parse_targets(short)
-    assert "tooshort" not in str(caught.value)
+    def refused(secret: str, rule: str) -> None:
+        config = json.dumps({"studio": {"url": "http://h/x", "secret": secret}})
+        with pytest.raises(WebhooksInvalid, match=rf"target 'studio': secret: .*{rule}") as caught:
+            parse_targets(config)
+        assert secret not in str(caught.value)
+        assert "whsec_ followed by the base64 of 24-64 random bytes" in str(caught.value)
+
+    refused("receiver-secret-0123456789", "must be whsec_")  # a pre-Standard-Webhooks secret
+    refused("whsec_not*base64*at*all*0123456789", "not valid base64")
+    refused("whsec_" + base64.b64encode(b"16 bytes, short.").decode(), "decodes to 16 bytes")
+    refused("whsec_" + base64.b64encode(bytes(65)).decode(), "decodes to 65 bytes")
+    unpadded = "whsec_" + base64.b64encode(bytes(range(25))).decode().rstrip("=")
+    assert parse_targets(json.dumps({"s": {"url": "http://h/x", "secret": unpadded}}))
     with pytest.raises(WebhooksInvalid, match=r"target 'ftp': url: .*http"):
         parse_targets(json.dumps({"ftp": {"url": "ftp://h/x", "secret": SECRET}}))
     with pytest.raises(WebhooksInvalid, match="not valid JSON"):
         parse_targets("{nope")
     with pytest.raises(WebhooksInvalid, match="cannot be read"):
         parse_targets("/no/such/webhooks.json")
+
+
+def test_an_outbox_entry_is_delivered_by_a_worker_that_knows_its_target(
+    redis_conn: Redis,
+) -> None:
+    stopped = JobEvent(kind="stopped", job_id="job-q", model="tiny-sd15", at=time.time())
+    assert not queue_webhook(redis_conn, REQUEST, stopped)  # no target named: nothing written
+    assert not queue_webhook(redis_conn, {**REQUEST, "webhook": "https://x.example/"}, stopped)
+    assert redis_conn.keys("kiln:webhook-outbox:*") == []
+    with redis_conn.pipeline() as pipe:  # joins the caller's round trip
+        assert queue_webhook(pipe, {**REQUEST, "webhook": "studio"}, stopped)
+        assert redis_conn.llen(outbox_key("studio")) == 0
+        pipe.execute()
+    assert 0 < redis_conn.ttl(outbox_key("studio")) <= OUTBOX_TTL_S
+    hooks = HookServer()
+    hooks.start()
+    dispatcher = _dispatcher(hooks.url)
+    try:
+        assert dispatcher.drain_outbox(redis_conn) == 1
+        [delivery] = hooks.wait_for(1)
+        assert dispatcher.drain_outbox(redis_conn) == 0
+    finally:
+        dispatcher.close()
+        hooks.stop()
+    assert Webhook(SECRET).verify(delivery.body, delivery.headers)["kind"] == "stopped"
+    assert delivery.headers["webhook-id"] == delivery_id(stopped)
+    assert redis_conn.exists(outbox_key("studio")) == 0
+
+
+def test_several_workers_drain_each_outbox_entry_once_and_leave_other_targets(
+    redis_conn: Redis,
+) -> None:
+    for n in range(2 * DRAIN_BATCH + 10):
+        queue_webhook(redis_conn, {"webhook": "studio"}, _event(f"job-{n}"))
+    queue_webhook(redis_conn, {"webhook": "elsewhere"}, _event("job-elsewhere"))
+    redis_conn.lpush(outbox_key("studio"), b"not an entry")
+    hooks = HookServer()
+    hooks.start()
+    workers = [_dispatcher(hooks.url) for _ in range(3)]
+    drained: list[int] = []
+
+    def drain(dispatcher: Dispatcher) -> None:
+        while taken := dispatcher.drain_outbox(redis_conn):
+            drained.append(taken)
+
+    try:
+        threads = [threading.Thread(target=drain, args=(w,)) for w in workers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        deliveries = hooks.wait_for(2 * DRAIN_BATCH + 10)
+        wait_until(lambda: sum(w.pending() for w in workers) == 0, 30, "every delivery settled")
+    finally:
+        for worker in workers:
+            worker.close()
+        hooks.stop()
+    assert max(drained) <= DRAIN_BATCH  # one drain takes at most a batch per target
+    job_ids = [verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries]
+    assert sorted(job_ids) == sorted(f"job-{n}" for n in range(2 * DRAIN_BATCH + 10))
+    # The unreadable entry was dropped; the unknown target's entry waits for its own worker.
+    assert redis_conn.exists(outbox_key("studio")) == 0
+    assert redis_conn.llen(outbox_key("elsewhere")) == 1
+    assert redis_conn.ttl(outbox_key("elsewhere")) > 0
+
+
+def test_the_outbox_keeps_the_newest_entries_up_to_its_cap(redis_conn: Redis) -> None:
+    with redis_conn.pipeline(transaction=False) as pipe:
+        for n in range(OUTBOX_MAX + 5):
+            queue_webhook(pipe, {"webhook": "studio"}, _event(f"job-{n}"))
+        pipe.execute()
+    assert redis_conn.llen(outbox_key("studio")) == OUTBOX_MAX
+    oldest = json.loads(redis_conn.lindex(outbox_key("studio"), -1) or b"{}")
+    assert oldest["event"]["job_id"] == "job-5"
