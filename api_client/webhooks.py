@@ -18,9 +18,10 @@ replays.
 
 The outbox: a job that ends where no worker's sender is at hand (cancelled while queued by a
 client, failed as abandoned in a worker's clean-up, quarantined) has its end event pushed with
-queue_webhook onto `kiln:webhook-outbox:<target>`, a capped list with a TTL. Workers configured
-with that target pop it (RPOP: each entry goes to one worker) and deliver it as their own; an
-entry for a target no worker knows stays until the list expires.
+queue_webhook, to the target its request names (webhook_target, job_webhook_target), onto
+`kiln:webhook-outbox:<target>`: a list capped at OUTBOX_MAX, expiring OUTBOX_TTL_S after its last
+push. Workers configured with that target pop it (RPOP: each entry goes to one worker) and
+deliver it as their own; an entry for a target no worker knows stays until the list expires.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +59,7 @@ SECRET_FORM = (
 OUTBOX_PREFIX = "kiln:webhook-outbox:"  # list per target, newest first: OutboxEntry JSON
 OUTBOX_MAX = 1000  # entries kept per target; the oldest go first
 OUTBOX_TTL_S = 86400  # the list expires this long after its last push
+MAX_DATA_BYTES = 64 * 2**20  # a job record's data inflated further is not read for its target
 
 
 class WebhookInvalid(KilnError):
@@ -149,16 +153,45 @@ def outbox_key(target: str) -> str:
     return f"{OUTBOX_PREFIX}{target}"
 
 
-def queue_webhook(redis: Redis | Pipeline, request: Any, event: JobEvent) -> bool:
-    """Put the job's end event in the outbox of the target its request names (the request
-    payload as enqueued); False, and nothing written, when it names none.
+def webhook_target(request: Any) -> str | None:
+    """The target a request payload (as enqueued) names, when it names one that could exist."""
+    target = request.get("webhook") if isinstance(request, dict) else None
+    return target if isinstance(target, str) and WEBHOOK_NAME.fullmatch(target) else None
+
+
+def job_webhook_target(data: bytes | None) -> str | None:
+    """The target named by the request in a job hash's `data` field: RQ's JSON [func, instance,
+    args, kwargs], zlib-compressed as RQ writes it (or not). None when it names none or cannot be
+    read; a record that inflates past MAX_DATA_BYTES counts as unreadable."""
+    if not data:
+        return None
+    try:
+        inflater = zlib.decompressobj()
+        text = inflater.decompress(data, MAX_DATA_BYTES)
+        if inflater.unconsumed_tail:
+            return None
+    except zlib.error:
+        text = data
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return None
+    if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[3], dict)):
+        return None
+    return webhook_target(payload[3].get("request"))
+
+
+def queue_webhook(redis: Redis | Pipeline, target: str | None, event: JobEvent) -> bool:
+    """Put a job's end event in the target's outbox; False, and nothing written, when there is
+    no target (None: the job's request named none).
 
     Given a pipeline, the commands join it (the caller executes it); given a connection, they
-    go in one round trip of their own. Client-side: needs no targets or secrets.
+    go in one round trip of their own. Client-side: needs no target URLs or secrets.
     """
-    target = request.get("webhook") if isinstance(request, dict) else None
-    if not isinstance(target, str) or not WEBHOOK_NAME.fullmatch(target):
+    if target is None:
         return False
+    if not WEBHOOK_NAME.fullmatch(target):
+        raise ValueError(f"webhook target {short(target)!r} is not a target name")
     entry = OutboxEntry(target=target, event=event).model_dump_json(exclude_none=True)
     pipe = redis if isinstance(redis, Pipeline) else redis.pipeline(transaction=False)
     key = outbox_key(target)

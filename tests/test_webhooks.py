@@ -23,10 +23,12 @@ from api_client.webhooks import (
     OUTBOX_MAX,
     OUTBOX_TTL_S,
     WebhookInvalid,
+    job_webhook_target,
     outbox_key,
     queue_webhook,
     signature,
     verify_webhook,
+    webhook_target,
 )
 from tests.fixtures.hung_receiver import HungReceiver
 from tests.fixtures.malformed_receiver import MalformedReceiver
@@ -270,12 +272,23 @@ def test_bad_webhook_configuration_is_named_without_its_secret() -> None:
 def test_an_outbox_entry_is_delivered_by_a_worker_that_knows_its_target(
     redis_conn: Redis,
 ) -> None:
-    stopped = JobEvent(kind="stopped", job_id="job-q", model="tiny-sd15", at=time.time())
-    assert not queue_webhook(redis_conn, REQUEST, stopped)  # no target named: nothing written
-    assert not queue_webhook(redis_conn, {**REQUEST, "webhook": "https://x.example/"}, stopped)
+    # The target, read from a job record as RQ stores it (what a cancel or a quarantine has).
+    job_id = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
+    target = job_webhook_target(redis_conn.hget(f"rq:job:{job_id}", "data"))
+    assert target == "studio"
+    plain = enqueue_raw(redis_conn, "tiny-sd15", {"request": REQUEST})
+    assert job_webhook_target(redis_conn.hget(f"rq:job:{plain}", "data")) is None
+    for unreadable in (None, b"", b"\x78\x9c garbage", b"[1, 2]", b'["f", null, [], {"r": 1}]'):
+        assert job_webhook_target(unreadable) is None
+    assert webhook_target({"webhook": "https://x.example/"}) is None
+
+    stopped = JobEvent(kind="stopped", job_id=job_id, model="tiny-sd15", at=time.time())
+    assert not queue_webhook(redis_conn, None, stopped)  # no target named: nothing written
     assert redis_conn.keys("kiln:webhook-outbox:*") == []
+    with pytest.raises(ValueError, match="not a target name"):
+        queue_webhook(redis_conn, "https://x.example/", stopped)
     with redis_conn.pipeline() as pipe:  # joins the caller's round trip
-        assert queue_webhook(pipe, {**REQUEST, "webhook": "studio"}, stopped)
+        assert queue_webhook(pipe, target, stopped)
         assert redis_conn.llen(outbox_key("studio")) == 0
         pipe.execute()
     assert 0 < redis_conn.ttl(outbox_key("studio")) <= OUTBOX_TTL_S
@@ -298,8 +311,8 @@ def test_several_workers_drain_each_outbox_entry_once_and_leave_other_targets(
     redis_conn: Redis,
 ) -> None:
     for n in range(2 * DRAIN_BATCH + 10):
-        queue_webhook(redis_conn, {"webhook": "studio"}, _event(f"job-{n}"))
-    queue_webhook(redis_conn, {"webhook": "elsewhere"}, _event("job-elsewhere"))
+        queue_webhook(redis_conn, "studio", _event(f"job-{n}"))
+    queue_webhook(redis_conn, "elsewhere", _event("job-elsewhere"))
     redis_conn.lpush(outbox_key("studio"), b"not an entry")
     hooks = HookServer()
     hooks.start()
@@ -334,7 +347,7 @@ def test_several_workers_drain_each_outbox_entry_once_and_leave_other_targets(
 def test_the_outbox_keeps_the_newest_entries_up_to_its_cap(redis_conn: Redis) -> None:
     with redis_conn.pipeline(transaction=False) as pipe:
         for n in range(OUTBOX_MAX + 5):
-            queue_webhook(pipe, {"webhook": "studio"}, _event(f"job-{n}"))
+            queue_webhook(pipe, "studio", _event(f"job-{n}"))
         pipe.execute()
     assert redis_conn.llen(outbox_key("studio")) == OUTBOX_MAX
     oldest = json.loads(redis_conn.lindex(outbox_key("studio"), -1) or b"{}")
