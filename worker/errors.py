@@ -79,3 +79,16 @@ class ManifestDirectoryInvalid(FatalWorkerError):
 def device_lost(exc: BaseException) -> bool:
     """Whether exc says the accelerator context is gone, so no later job could succeed here."""
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_LOST_MARKERS)
+
+
+class StoreUnavailable(OutputError):
+    """The store failed in a way that heals: S3 5xx or throttling (SlowDown), a refused, reset or
+    timed-out connection, a network mount that went away. The job can go back on its queue and
+    run again later instead of failing for good; its files were removed. str() names the job's
+    key or path and the store's words; `cause` is the store's words alone, for the failure once
+    the retries are spent. (A sibling of store.StoreError, not a subclass: the local directory's
+    outages are OutputErrors too, and this module imports nothing of the store.)"""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause

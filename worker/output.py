@@ -1,9 +1,14 @@
-"""Images and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once."""
+"""Images and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once.
+A job that fails leaves none of its files behind (discard), and an OSError that heals (a network
+mount gone away) is told apart from one that needs an operator (a full disk, a permission)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +16,33 @@ from pathlib import Path
 from PIL import Image
 
 from api_client.schema import ImageFile, OutputFormat, RenderResult
-from worker.errors import OtherRequest, OutputError
+from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
 RECORDED_MARK = ".recorded"  # the job's timing record was written (after result.json)
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 _EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+# OSErrors that heal on their own: an output directory on a network mount that timed out or
+# lost its server. A full disk (ENOSPC, EDQUOT) does not heal within a few retries (it waits for
+# an operator) and re-rendering the job to hit it again only burns device time, so it fails the
+# job at once and says so; nor do EACCES, EROFS or EIO (a failing disk must not be retried).
+_HEALING_ERRNOS = frozenset(
+    {
+        errno.ETIMEDOUT,
+        errno.ESTALE,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.ENOTCONN,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EAGAIN,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -52,14 +78,22 @@ def job_dir(output_dir: Path, job_id: str) -> Path:
     return output_dir / job_id
 
 
+def image_name(index: int, image: EncodedImage) -> str:
+    return f"{index}.{_EXTENSION[image.format]}"
+
+
 def save_images(output_dir: Path, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
-    """Write each image atomically (temp file + rename), so a crash never leaves half a file."""
+    """Write each image atomically (temp file + rename), so a crash never leaves half a file.
+    If any write fails, or the job's deadline lands in the middle, the images already written
+    are removed before the error goes on: a failed save leaves no partial result."""
     directory = job_dir(output_dir, job_id)
     files: list[ImageFile] = []
+    names: list[str] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for index, image in enumerate(images):
-            path = directory / f"{index}.{_EXTENSION[image.format]}"
+            names.append(image_name(index, image))
+            path = directory / names[-1]
             _write_atomic(path, image.data)
             files.append(
                 ImageFile(
@@ -70,8 +104,12 @@ def save_images(output_dir: Path, job_id: str, images: list[EncodedImage]) -> li
                     sha256=image.sha256,
                 )
             )
-    except OSError as exc:
-        raise OutputError(f"cannot write images for job {job_id} under {directory}: {exc}") from exc
+    except BaseException as exc:
+        discard(output_dir, job_id, names)
+        if isinstance(exc, OSError):
+            message = f"cannot write images for job {job_id} under {directory}: {exc}"
+            raise output_error(message, exc) from exc
+        raise
     return files
 
 
@@ -83,9 +121,8 @@ def save_preview(output_dir: Path, job_id: str, image: Image.Image) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, preview_jpeg(image))
     except OSError as exc:
-        raise OutputError(
-            f"cannot write preview for job {job_id} under {directory}: {exc}"
-        ) from exc
+        message = f"cannot write preview for job {job_id} under {directory}: {exc}"
+        raise output_error(message, exc) from exc
     return str(path.resolve())
 
 
@@ -95,7 +132,7 @@ def write_result(output_dir: Path, result: RenderResult) -> None:
     try:
         _write_atomic(path, result.model_dump_json(indent=2).encode())
     except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc}") from exc
+        raise output_error(f"cannot write {path}: {exc}", exc) from exc
 
 
 def finished_result(output_dir: Path, job_id: str, request_digest: str) -> RenderResult | None:
@@ -136,8 +173,34 @@ def recorded(output_dir: Path, job_id: str) -> bool:
     return (job_dir(output_dir, job_id) / RECORDED_MARK).exists()
 
 
+def discard(output_dir: Path, job_id: str, names: list[str]) -> None:
+    """Remove these files of a failed job (and their temp files, which a deadline landing inside
+    a write can leave), then its directory if nothing else is in it. Best effort and never
+    raising: the job's own error is the one to report, and a file that cannot go is logged."""
+    directory = job_dir(output_dir, job_id)
+    for name in names:
+        for path in (directory / name, _tmp_path(directory / name)):
+            try:
+                path.unlink(missing_ok=True)
+            except (Exception, JobDeadlineExceeded) as exc:
+                log.warning("job %s failed and left %s behind: %s", job_id, path, exc)
+    with contextlib.suppress(OSError):  # not empty (a result kept, other files) or gone already
+        directory.rmdir()
+
+
+def output_error(message: str, exc: OSError) -> OutputError:
+    """An OSError as the job's failure: StoreUnavailable when it heals, else an OutputError."""
+    if exc.errno in _HEALING_ERRNOS:
+        return StoreUnavailable(message, cause=str(exc))
+    return OutputError(message)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _tmp_path(path)
     with open(tmp, "wb") as handle:
         handle.write(data)
     os.replace(tmp, path)

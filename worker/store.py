@@ -4,11 +4,20 @@ S3-compatible bucket (S3Store, through boto3), chosen by KILN_OUTPUT_URL.
 Layout in both: <location>/<job id>/<n>.<ext>, preview.jpg and result.json. The crash invariant
 holds in both: result.json is put last, so a result never points at an image that is not there,
 and a job whose result.json exists is answered from the store instead of rendered again.
+
+A job that does not finish leaves nothing behind: each store remembers every file it began to
+write for a job (before the write, so a deadline landing mid-write is covered), a failed image or
+result write removes them at once, and close_job removes them for any other way out (a timeout,
+a stop, a failure after a preview). A finished job keeps all its files, its last preview too (the
+uri its last preview event named). Failures that heal (S3 5xx, throttling, a refused or timed-out
+connection) raise StoreUnavailable, so the queue can run the job again later; the rest raise
+StoreError (S3) or OutputError (a directory) and fail the job at once.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -20,12 +29,33 @@ from PIL import Image
 from api_client.redact import redact
 from api_client.schema import ImageFile, PreviewRef, RenderResult
 from worker import output
-from worker.errors import OutputError
+from worker.errors import JobDeadlineExceeded, OutputError, StoreUnavailable
 from worker.output import EncodedImage
 from worker.settings import Settings
 
+log = logging.getLogger(__name__)
+
 PREVIEW_INLINE_MAX = 64 * 1024  # previews up to this size also travel as bytes in events
+PREVIEW_FILE = "preview.jpg"
 _CONTENT_TYPE = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
+# S3 answers that heal: botocore's own transient and throttling codes (its standard retry mode
+# retries these first) and the 5xx family.
+_HEALING_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+    }
+)
 
 
 class StoreError(OutputError):
@@ -46,6 +76,28 @@ class Store(Protocol):
     def write_result(self, result: RenderResult) -> None: ...
 
     def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None: ...
+
+    def close_job(self, job_id: str, *, keep: bool) -> None:
+        """The job's render is over: keep its files (it finished) or remove every file this
+        store began to write for it (any other way out). Never raises."""
+
+
+class _JobFiles:
+    """The names of the files begun for each job still rendering, until close_job takes them."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, job_id: str, name: str) -> None:
+        with self._lock:
+            names = self._names.setdefault(job_id, [])
+            if name not in names:
+                names.append(name)
+
+    def take(self, job_id: str) -> list[str]:
+        with self._lock:
+            return self._names.pop(job_id, [])
 
 
 class _RecentPreviews:
@@ -78,12 +130,21 @@ class LocalStore:
         self.directory = directory
         self.location = str(directory)
         self._previews = _RecentPreviews()
+        self._files = _JobFiles()
 
     def save_images(self, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
-        files = output.save_images(self.directory, job_id, images)
+        """The images on disk; if one fails, none of the job's files stay."""
+        for index, image in enumerate(images):
+            self._files.add(job_id, output.image_name(index, image))
+        try:
+            files = output.save_images(self.directory, job_id, images)
+        except BaseException:
+            self.close_job(job_id, keep=False)
+            raise
         return [f.model_copy(update={"uri": Path(f.path or "").as_uri()}) for f in files]
 
     def save_preview(self, job_id: str, image: Image.Image) -> str:
+        self._files.add(job_id, PREVIEW_FILE)
         path = Path(output.save_preview(self.directory, job_id, image))
         uri = path.as_uri()
         self._previews.put(uri, path.read_bytes())
@@ -93,17 +154,29 @@ class LocalStore:
         return PreviewRef(uri=uri, data=self._previews.inline(uri))
 
     def write_result(self, result: RenderResult) -> None:
-        output.write_result(self.directory, result)
+        """result.json, last; if it cannot be written, the job's images go too."""
+        self._files.add(result.job_id, output.RESULT_FILE)
+        try:
+            output.write_result(self.directory, result)
+        except BaseException:
+            self.close_job(result.job_id, keep=False)
+            raise
 
     def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None:
         return output.finished_result(self.directory, job_id, request_digest)
+
+    def close_job(self, job_id: str, *, keep: bool) -> None:
+        names = self._files.take(job_id)
+        if not keep and names:
+            output.discard(self.directory, job_id, names)
 
 
 class S3Store:
     """s3://bucket/prefix on AWS, MinIO, R2 or any S3-compatible service, through boto3.
 
-    Every failure becomes one StoreError naming endpoint, bucket and key (never a credential);
-    boto3 reconnects on its own, so a store that comes back serves the next job.
+    Every failure becomes one StoreError (or StoreUnavailable, when it heals) naming endpoint,
+    bucket and key (never a credential); boto3 reconnects on its own, so a store that comes back
+    serves the next job.
     """
 
     def __init__(self, url: str, settings: Settings) -> None:
@@ -118,21 +191,20 @@ class S3Store:
         self._secrets = settings.secrets()
         self._client = _s3_client(settings)
         self._previews = _RecentPreviews()
+        self._files = _JobFiles()
 
     def key(self, job_id: str, name: str) -> str:
         output.job_dir(Path("."), job_id)  # the same job id rules as on disk
         return "/".join(part for part in (self.prefix, job_id, name) if part)
 
     def save_images(self, job_id: str, images: list[EncodedImage]) -> list[ImageFile]:
-        """Put each image; if one fails, delete those already put (best effort) and raise."""
+        """Put each image; if one fails (or the deadline lands), none of the job's objects stay."""
         files: list[ImageFile] = []
-        put: list[str] = []
         try:
             for index, image in enumerate(images):
-                extension = output.extension(image.format)
-                key = self.key(job_id, f"{index}.{extension}")
+                key = self.key(job_id, output.image_name(index, image))
+                self._files.add(job_id, key)
                 self._put(key, image.data, _CONTENT_TYPE[image.format])
-                put.append(key)
                 files.append(
                     ImageFile(
                         uri=f"s3://{self.bucket}/{key}",
@@ -143,14 +215,15 @@ class S3Store:
                         sha256=image.sha256,
                     )
                 )
-        except StoreError:
-            self._delete_quietly(put)
+        except BaseException:
+            self.close_job(job_id, keep=False)
             raise
         return files
 
     def save_preview(self, job_id: str, image: Image.Image) -> str:
-        key = self.key(job_id, "preview.jpg")
+        key = self.key(job_id, PREVIEW_FILE)
         data = output.preview_jpeg(image)
+        self._files.add(job_id, key)
         self._put(key, data, "image/jpeg")
         uri = f"s3://{self.bucket}/{key}"
         self._previews.put(uri, data)
@@ -161,8 +234,15 @@ class S3Store:
         return PreviewRef(uri=uri, url=self._presign(key), data=self._previews.inline(uri))
 
     def write_result(self, result: RenderResult) -> None:
+        """result.json, last; if it cannot be put, the job's images go too. (A put that timed out
+        may still have landed: its key is deleted as well.)"""
         key = self.key(result.job_id, output.RESULT_FILE)
-        self._put(key, result.model_dump_json(indent=2).encode(), "application/json")
+        self._files.add(result.job_id, key)
+        try:
+            self._put(key, result.model_dump_json(indent=2).encode(), "application/json")
+        except BaseException:
+            self.close_job(result.job_id, keep=False)
+            raise
 
     def finished_result(self, job_id: str, request_digest: str) -> RenderResult | None:
         """The stored result of this request with fresh presigned URLs (the stored ones may have
@@ -181,6 +261,11 @@ class S3Store:
             for image in result.images
         ]
         return result.model_copy(update={"images": images})
+
+    def close_job(self, job_id: str, *, keep: bool) -> None:
+        keys = self._files.take(job_id)
+        if not keep and keys:
+            self._delete_quietly(job_id, keys)
 
     # -- boto3 calls, each failure named -------------------------------------------------------
 
@@ -208,14 +293,22 @@ class S3Store:
         )
         return url
 
-    def _delete_quietly(self, keys: list[str]) -> None:
-        for key in keys:
+    def _delete_quietly(self, job_id: str, keys: list[str]) -> None:
+        """Delete a failed job's objects, one by one (multi-object delete is not everywhere S3
+        is). Never raises over the job's own error, not even the job's deadline landing in here;
+        once the store is unreachable the rest are not tried (each would wait out the timeouts
+        again): what stays behind is logged."""
+        for done, key in enumerate(keys):
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=key)
-            except Exception:  # the store is failing already; the job's error says so
-                continue
+            except (Exception, JobDeadlineExceeded) as exc:
+                left = [f"s3://{self.bucket}/{k}" for k in keys[done:]]
+                reason = redact(str(exc), self._secrets)
+                log.warning("job %s failed and left %s behind: %s", job_id, ", ".join(left), reason)
+                return
 
-    def _error(self, verb: str, key: str, exc: BaseException) -> StoreError:
+    def _error(self, verb: str, key: str, exc: BaseException) -> OutputError:
+        """The failure, named; StoreUnavailable when it heals, StoreError when it will not."""
         code = _error_code(exc)
         reason = redact(str(exc), self._secrets)
         hint = {
@@ -225,9 +318,10 @@ class S3Store:
             "AccessDenied": "the credentials may not do this",
         }.get(code or "", "")
         detail = f"{hint}: {reason}" if hint else reason
-        return StoreError(
-            f"cannot {verb} s3://{self.bucket}/{key} at endpoint {self.endpoint}: {detail}"
-        )
+        message = f"cannot {verb} s3://{self.bucket}/{key} at endpoint {self.endpoint}: {detail}"
+        if _heals(exc):
+            return StoreUnavailable(message, cause=f"store at {self.endpoint}: {reason}")
+        return StoreError(message)
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -238,16 +332,41 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _heals(exc: BaseException) -> bool:
+    """Whether an S3 failure heals: no answer at all (refused, reset, timed out), a 5xx, a 429
+    or a throttling code (SlowDown, RequestTimeout...). A TLS failure (a wrong certificate) and
+    every other 4xx answer (NoSuchBucket, AccessDenied, InvalidAccessKeyId) do not."""
+    from botocore import exceptions as boto
+
+    if isinstance(exc, boto.SSLError):
+        return False
+    no_answer = (
+        boto.ConnectionError,  # refused, DNS, connect timeout
+        boto.HTTPClientError,  # reset, closed, read timeout, a body cut short
+        boto.IncompleteReadError,
+        ConnectionError,  # the builtin family: raised bare by a few code paths
+        TimeoutError,
+    )
+    if isinstance(exc, no_answer):
+        return True
+    response: Any = getattr(exc, "response", None)
+    meta = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
+    status = int(meta.get("HTTPStatusCode") or 0)
+    return _error_code(exc) in _HEALING_CODES or status == 429 or status >= 500
+
+
 def _s3_client(settings: Settings) -> Any:
-    """A boto3 S3 client with short timeouts and few retries: a dead store fails the job within
-    seconds instead of holding the GPU for minutes."""
+    """A boto3 S3 client with short timeouts and one retry: botocore's retry covers a blip,
+    the queue's put-back with backoff covers an outage (StoreUnavailable). A call to a store
+    that accepts connections and never answers gives up within about 2 x 10 s, a refused one
+    within a second or two, so a dead store does not hold the GPU for minutes."""
     import boto3
     from botocore.config import Config
 
     config = Config(
         connect_timeout=3,
-        read_timeout=20,
-        retries={"max_attempts": 3, "mode": "standard"},
+        read_timeout=10,
+        retries={"max_attempts": 2, "mode": "standard"},
         signature_version="s3v4",
         s3={"addressing_style": "path"} if settings.aws_endpoint_url else None,
     )
