@@ -89,8 +89,10 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
         assert image.stat().st_mtime_ns == first_write
         assert again.images[0].sha256 == KilnJob(saved.id, redis_conn).result().images[0].sha256  # type: ignore[union-attr]
         by_job = [r for r in records(settings.timings_log) if r.job_id == saved.id]
-        # Its record was written before the kill: answering from disk adds no second one.
-        assert [(r.status, r.answered_from) for r in by_job] == [("done", "render")]
+        # Its worker died before committing the job's end, so it published no record: the one
+        # record is the answering worker's, with the render's phases and who rendered it.
+        assert [(r.status, r.answered_from) for r in by_job] == [("done", "store")]
+        assert (by_job[0].worker, by_job[0].rendered_by) == (reborn.name, saver.name)
         assert by_job[0].timings.denoise > 0
         long_records = [r for r in records(settings.timings_log) if r.job_id == long.id]
         assert [r.status for r in long_records] == ["done"]  # the killed run left no record

@@ -1,10 +1,13 @@
 """What a render needs from whoever runs it (the RQ worker, `kiln bench`, a test): the job's id
-and queue wait, admission, progress reporting and stop requests."""
+and queue wait, admission, progress reporting, stop requests, and who publishes its record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from worker.timings import TimingRecord
 
 
 class JobContext(Protocol):
@@ -16,7 +19,16 @@ class JobContext(Protocol):
 
     def progress(self, phase: str, step: int, steps: int, preview: str | None = None) -> None: ...
 
-    def stop_requested(self) -> bool: ...
+    def stop_requested(self) -> bool:
+        """True when a cancel asks the job to stop; raises when the job must end otherwise
+        (ShutdownStop, LeaseLost)."""
+
+    def confirm(self) -> None:
+        """Before the job's files are written: raise LeaseLost if this run no longer holds it."""
+
+    def hold_done_record(self, record: TimingRecord) -> bool:
+        """True when the runner publishes a done job's record itself, once the job's end is
+        committed where every worker sees it (the queue: no crash can leave two records)."""
 
 
 @dataclass
@@ -33,4 +45,10 @@ class LocalContext:
         return None
 
     def stop_requested(self) -> bool:
+        return False
+
+    def confirm(self) -> None:
+        return None
+
+    def hold_done_record(self, record: TimingRecord) -> bool:
         return False

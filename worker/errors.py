@@ -31,6 +31,11 @@ class ShutdownStop(JobStopped):
     """A second shutdown signal stopped the job at a step boundary; it is re-queued, not failed."""
 
 
+class LeaseLost(JobStopped):
+    """This worker no longer holds the job (its heartbeat lapsed during a stall and another
+    worker took it over): the render stops and this worker writes nothing about the job."""
+
+
 class JobDeadlineExceeded(BaseException):
     """The job ran past KILN_JOB_TIMEOUT_S. A BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way (a compile fallback, a preview, a quantization check) can

@@ -18,8 +18,14 @@ from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import RENDER_FUNC, JobError, JobEvent
 from worker import events as job_events
 from worker import quarantine
-from worker.errors import JobStopped, RefusedJob, ShutdownStop
+from worker.errors import JobStopped, LeaseLost, RefusedJob, ShutdownStop
 from worker.store import Store
+from worker.timings import TimingRecord
+
+LEASE_LOST = (
+    "lease lost: its heartbeat lapsed (this worker stalled or lost Redis) and the job went back "
+    "to its queue; this worker stopped it and wrote nothing"
+)
 
 
 class RenderJob(Job):
@@ -146,8 +152,11 @@ def record_error(job: Job, kind: str, message: str) -> None:
 class RQJobContext:
     """The job as a render sees it: progress and previews into its event journal (which writes
     them a few times a second, worker/events.py), and stop requests, read without a Redis round
-    trip of their own: `stop_asked` from the worker's start round trip, `cancelled` when its
-    heartbeat thread finds the job's stop key, `shutdown_now` on a second shutdown signal."""
+    trip of their own: `stop_asked` from the worker's start round trip, `cancelled` on RQ's
+    stop-job command or when its heartbeat thread finds the job's stop key, `shutdown_now` on a
+    second shutdown signal, `lease_lost` when its heartbeat finds the job is no longer its own.
+    `holds_lease` asks Redis that last question at once (before any file is written).
+    A done job's record is kept here for the worker to publish once the job's end is committed."""
 
     def __init__(
         self,
@@ -156,6 +165,8 @@ class RQJobContext:
         cancelled: threading.Event,
         store: Store,
         stop_asked: bool = False,
+        lease_lost: threading.Event | None = None,
+        holds_lease: Callable[[], bool] | None = None,
     ) -> None:
         self.job = job
         self.stop_asked = stop_asked  # its stop key, read when the worker took it
@@ -170,6 +181,9 @@ class RQJobContext:
         self._store = store
         self._shutdown_now = shutdown_now
         self._cancelled = cancelled
+        self._lease_lost = lease_lost or threading.Event()
+        self._holds_lease = holds_lease
+        self.done_record: TimingRecord | None = None
 
     def admit(self) -> None:
         problems = self.job.problems()
@@ -186,9 +200,20 @@ class RQJobContext:
         self.events.progress(phase, step, steps)
 
     def stop_requested(self) -> bool:
+        if self._lease_lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: {LEASE_LOST}")
         if self._shutdown_now.is_set():
             raise ShutdownStop(f"job {self.job_id} stopped by worker shutdown; re-queued")
         return self._cancelled.is_set()
+
+    def confirm(self) -> None:
+        if self._holds_lease is not None and not self._holds_lease():
+            self._lease_lost.set()
+        self.stop_requested()
+
+    def hold_done_record(self, record: TimingRecord) -> bool:
+        self.done_record = record
+        return True
 
 
 def _request_of(job: Job) -> Any:

@@ -43,6 +43,7 @@ in which RQ calls them is the thing to read together.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -53,10 +54,12 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from functools import partial
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
@@ -66,7 +69,7 @@ from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
@@ -77,12 +80,19 @@ from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
 from api_client.connection import connect
+from api_client.errors import short
 from api_client.schema import WorkerState
 from worker import device as dev
 from worker import events as job_events
-from worker import metrics, quarantine
-from worker.errors import FatalWorkerError, JobDeadlineExceeded, JobStopped, ShutdownStop
-from worker.job import RenderJob, RQJobContext, record_error
+from worker import execution, metrics, quarantine
+from worker.errors import (
+    FatalWorkerError,
+    JobDeadlineExceeded,
+    JobStopped,
+    LeaseLost,
+    ShutdownStop,
+)
+from worker.job import LEASE_LOST, RenderJob, RQJobContext, record_error
 from worker.manifest import publish_manifests
 from worker.pulse import REDIS_ERRORS, Pulse
 from worker.render import Renderer
@@ -95,6 +105,7 @@ WORKER_STATE_TTL_S = 60
 # often (their TTLs are 60 s and more), not around every job.
 STATE_INTERVAL_S = 10.0
 FIT_INTERVAL_S = 10.0
+Outcome = Literal["finished", "failed", "lost"]
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -191,6 +202,11 @@ class KilnWorker(SimpleWorker):
         # Set by a stop-job command for the running job (a cancel), or by the Pulse thread
         # finding its stop key.
         self.cancelled = threading.Event()
+        # Set when the running job's lease is found lapsed and taken (execution.py).
+        self.lease_lost = threading.Event()
+        self._finisher = execution.Finisher(self.connection)
+        # When Redis last came back after an outage (inf while it is away): see redis_unsettled.
+        self._redis_back_at = -math.inf
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
         self._suspension_checked_at = float("-inf")
         self._published_resident: list[str] = []
@@ -249,7 +265,10 @@ class KilnWorker(SimpleWorker):
 
     def clean_registries(self) -> None:
         """rq's clean-up, with its lock released whatever happens (rq leaves it set for 15
-        minutes on an error) and ids that are not job ids moved aside before rq reads them."""
+        minutes on an error) and ids that are not job ids moved aside before rq reads them.
+        Not right after an outage (redis_unsettled): rq would fail every running job."""
+        if self.redis_unsettled():
+            return
         for queue in self.queues:
             if not queue.acquire_maintenance_lock():
                 continue
@@ -286,40 +305,40 @@ class KilnWorker(SimpleWorker):
         ):
             job.timeout = self.job_timeout_s
         stop_asked = self._start(job, queue)
-        finished = False
+        outcome: Outcome = "failed"
+        ctx = None
         try:
             ctx = RQJobContext(
-                job, self.shutdown_now, self.cancelled, self.renderer.store, stop_asked
+                job,
+                self.shutdown_now,
+                self.cancelled,
+                self.renderer.store,
+                stop_asked,
+                lease_lost=self.lease_lost,
+                holds_lease=self.holds_lease,
             )
             job.run = partial(self.render_job, ctx)
-            finished = self._perform(job, queue)
+            outcome = self._perform(job, queue)
         finally:
             with self._running_lock:
                 self._running = None
-            self._after_job(job, queue, finished)
+            self._after_job(job, queue, outcome, ctx.done_record if ctx else None)
             self.execution = None
             self._state = WorkerStatus.IDLE
 
     def _start(self, job: Job, queue: Queue) -> bool:
-        """Step 3, one round trip: the job hash says started (RQ's fields), the started registry
-        holds the execution until its heartbeat lapses, the job leaves RQ's intermediate list,
-        and its stop key is read (True: a cancel came while it was queued)."""
+        """Step 3, one round trip (worker/execution.py start): the job hash says started (RQ's
+        fields), the execution takes the job's lease until its heartbeat lapses, the job leaves
+        RQ's intermediate list, and its stop key is read (True: a cancel came while queued)."""
         self.execution = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
         self._state = WorkerStatus.BUSY
         self.cancelled.clear()
+        self.lease_lost.clear()
         with self._running_lock:  # from here a stop-job command for it is taken
             self._running = job
         try:
             with self.connection.pipeline(transaction=False) as pipe:
-                job.prepare_for_execution(self.name, pipeline=pipe)
-                if job.ttl:  # a producer's "expire if not started in time" ends as it starts
-                    pipe.persist(job.key)
-                queue.started_job_registry.add_execution(
-                    self.execution, pipeline=pipe, ttl=self.heartbeat_ttl_s
-                )
-                if len(self.queues) == 1:  # RQ pops through the intermediate list for one queue
-                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                pipe.exists(keys.stop_key(job.id))
+                execution.start(pipe, job, queue, self.execution, self, self.heartbeat_ttl_s)
                 *_, stop_asked = pipe.execute()
         except BaseException:
             # Redis gone for good (after the connection's minute of retries): the job stays in
@@ -329,9 +348,10 @@ class KilnWorker(SimpleWorker):
             raise
         return bool(stop_asked)
 
-    def _perform(self, job: Job, queue: Queue) -> bool:
-        """Step 4: the render under the job's deadline. False when it raised; RQ's failure
-        handling has then run (hooks in step 6)."""
+    def _perform(self, job: Job, queue: Queue) -> Outcome:
+        """Step 4: the render under the job's deadline. "failed" when it raised (RQ's failure
+        handling has then run, hooks in step 6), "lost" when the job is no longer this worker's
+        (nothing about it is written here)."""
         try:
             timeout = job.timeout or Queue.DEFAULT_TIMEOUT
             penalty = self.death_penalty_class(timeout, JobDeadlineExceeded, job_id=job.id)  # type: ignore[no-untyped-call]
@@ -340,33 +360,44 @@ class KilnWorker(SimpleWorker):
         except BaseException:  # as RQ's perform_job: every way out of a job ends it
             job.ended_at = now()
             exc_info = sys.exc_info()
+            # A failure is written only by the execution that holds the job: a worker that
+            # stalled past its lease must not fail, stop or re-queue another worker's job.
+            if isinstance(exc_info[1], LeaseLost) or not self.holds_lease():
+                log.warning("job %s: %s", job.id, LEASE_LOST)
+                return "lost"
             self.handle_exception(job, *exc_info)
             exc_string = "".join(traceback.format_exception(*exc_info))
             self.handle_job_failure(job, queue, exc_string=exc_string)
-            return False
+            return "failed"
         job.ended_at = now()
+        return "finished"
+
+    def _finish(self, job: Job, queue: Queue) -> bool:
+        """A success as RQ's readers see it (worker/execution.py), written only while this
+        execution holds the job; then the jobs that depend on it are enqueued, as RQ does.
+        False: the lease was lost and nothing was written."""
+        assert self.execution is not None
+        dependents = self._finisher(
+            job,
+            queue,
+            self.execution,
+            self,
+            job.get_result_ttl(self.default_result_ttl),
+            self.execution.created_at,
+            job.ended_at or now(),
+        )
+        if dependents is None:
+            return False
+        if dependents:
+            queue.enqueue_dependents(job)
         return True
 
-    def _finish(self, job: Job, queue: Queue, pipe: Any) -> None:
-        """A success as RQ readers see it, queued on the after-job pipeline: status, end time and
-        result in the job hash (RQ's `result` field: api_client reads it there), out of the
-        started registry, kept for its result TTL."""
-        job._status = JobStatus.FINISHED  # written below with the rest
-        pipe.hset(
-            job.key,
-            mapping={
-                "status": JobStatus.FINISHED.value,
-                "ended_at": utcformat(job.ended_at or now()),
-                "result": job.serializer.dumps(job._result),  # set by perform()
-            },
-        )
-        if self.execution is not None:
-            queue.started_job_registry.remove_execution(self.execution, pipeline=pipe)
-        ttl = job.get_result_ttl(self.default_result_ttl)
-        if ttl == 0:
-            pipe.delete(job.key)
-        elif ttl is not None and ttl > 0:
-            pipe.expire(job.key, ttl)
+    def holds_lease(self) -> bool:
+        """Whether the running execution still holds its job (pushes its lease, one command)."""
+        job, held = self._running, self.execution
+        if job is None or held is None:
+            return True
+        return execution.holds(self.connection, job, held, self.heartbeat_ttl_s)
 
     def render_job(self, ctx: RQJobContext) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
@@ -425,16 +456,17 @@ class KilnWorker(SimpleWorker):
         RQ's stop-job command; this catches one sent while the pub/sub connection was down).
         True when Redis took it (or nothing is running)."""
         with self._running_lock:
-            job, execution = self._running, self.execution
-            if job is None or execution is None:
+            job, held = self._running, self.execution
+            if job is None or held is None:
                 return True
-            with self.connection.pipeline(transaction=False) as pipe:
-                job.started_job_registry.add_execution(
-                    execution, pipeline=pipe, ttl=self.heartbeat_ttl_s, xx=True
-                )
+            with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
+                execution.push_lease(pipe, job, held, self.heartbeat_ttl_s)
                 if look_for_stop:
                     pipe.exists(keys.stop_key(job.id))
-                stop_asked = pipe.execute()[1:]
+                pushed, *stop_asked = pipe.execute()
+            if not pushed and not self.lease_lost.is_set():
+                log.warning("job %s: %s", job.id, LEASE_LOST)
+                self.lease_lost.set()  # the render stops at its next step or phase
             if any(stop_asked):
                 self.cancelled.set()
         return True
@@ -444,19 +476,47 @@ class KilnWorker(SimpleWorker):
         with self._running_lock:
             return self._running.id if self._running is not None else None
 
+    def handle_payload(self, message: Any) -> None:
+        """A message on this worker's RQ pub/sub channel (RQ's pub/sub thread). Clients may
+        publish there to cancel, so the only command taken is a stop-job for the running job
+        (job.cancel(), or rq's send_stop_job_command): the render stops at its next step or
+        phase. RQ's shutdown and kill-horse, anything unknown, and anything that is not a JSON
+        command are logged and ignored; nothing a client sends ends the listener."""
+        try:
+            payload = json.loads(message["data"])
+            command, job_id = payload.get("command"), payload.get("job_id")
+        except Exception:
+            log.warning("ignored a message that is not an RQ command: %s", short(repr(message)))
+            return
+        if command == "stop-job" and job_id is not None and job_id == self.get_current_job_id():
+            log.info("stop-job command for job %s: stopping it at its next step", job_id)
+            self._stopped_job_id = job_id
+            self.cancelled.set()
+        else:
+            log.warning(
+                "ignored command %s for job %s: a kiln worker takes only a stop-job for its "
+                "running job (stop workers with SIGTERM)",
+                short(repr(command)),
+                short(repr(job_id)),
+            )
+
     def kill_horse(self, sig: Any = None) -> None:
-        """RQ's stop-job command (from job.cancel(), or `rq`'s send_stop_job_command) for the
-        running job, on RQ's pub/sub thread: the render stops at its next step."""
+        """Never called by a command (handle_payload takes none that would): a kiln worker has
+        no horse, and stops its render through `cancelled`."""
         self.cancelled.set()
 
     def recover_abandoned(self) -> None:
         """Jobs whose worker stopped heartbeating go back to their queue (if retries are left).
         One command a queue when none has lapsed, which is nearly always."""
+        if self.redis_unsettled():
+            return
         stamp = current_timestamp()
-        with self.connection.pipeline(transaction=False) as pipe:
+        with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
             for queue in self.queues:
                 pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
             found = pipe.execute()
+        if self.redis_unsettled():  # that read waited out an outage: every lease looks lapsed
+            return
         lapsed = [queue for queue, due in zip(self.queues, found, strict=True) if due]
         for queue in lapsed:
             # RQ's own lock: two sweepers would each re-queue the same job.
@@ -473,6 +533,25 @@ class KilnWorker(SimpleWorker):
                 registry.cleanup(stamp)
             finally:
                 queue.release_maintenance_lock()
+
+    @contextmanager
+    def _watching_redis(self) -> Iterator[None]:
+        """Notes when Redis was away: a command that failed, or one that took longer than a
+        beat (the connection retries through an outage of up to a minute)."""
+        began = time.monotonic()
+        try:
+            yield
+        except REDIS_ERRORS:
+            self._redis_back_at = math.inf
+            raise
+        if self._redis_back_at == math.inf or time.monotonic() - began > self.heartbeat_interval_s:
+            self._redis_back_at = time.monotonic()
+
+    def redis_unsettled(self) -> bool:
+        """Redis came back less than a lease ago. Every running job's lease may have lapsed
+        while no worker could push it: they are not abandoned, and their workers push them
+        within a beat. Sweeping now would re-queue every running job at once."""
+        return time.monotonic() - self._redis_back_at < self.heartbeat_ttl_s
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's loop calls this around every dequeue: here it only stops the loop when asked to.
@@ -527,31 +606,47 @@ class KilnWorker(SimpleWorker):
         if conn is None:
             pipe.execute()
 
-    def _after_job(self, job: Job, queue: Queue, finished: bool) -> None:
-        """Step 7, in one round trip: a success as RQ records it (_finish), the model's timing
-        fit, the worker's state when what is resident changed, and the job's last events (the
-        end one wakes the client); then the job's webhook, sent from a background thread."""
+    def _after_job(
+        self, job: Job, queue: Queue, outcome: Outcome, record: TimingRecord | None
+    ) -> None:
+        """Step 7: a success as RQ records it, only while the lease holds (_finish, one script),
+        and then the job's one record; then in one round trip the model's timing fit, the
+        worker's state when what is resident changed, and the job's last events (the end one
+        wakes the client); then the job's webhook, sent from a background thread."""
         renderer = self.renderer
         metrics.observe_resident(renderer.cache.rungs(), dev.allocated_bytes(renderer.info))
         end = None
         try:
+            if outcome == "finished" and not self._finish(job, queue):
+                outcome = "lost"
+                log.warning("job %s: %s", job.id, LEASE_LOST)
+            if record is not None and outcome == "finished":
+                renderer.publish(record)  # committed: no crash from here can make a second one
+                record = None
             with self.connection.pipeline(transaction=False) as pipe:
-                if finished:
-                    self._finish(job, queue, pipe)
                 self.publisher.flush(pipe)
                 if renderer.cache.model_ids() != self._published_resident:
                     self.publish_state(pipe, sweep=False)
-                end = self._end_events(job, pipe)
+                # A lost job's events are the other worker's to write: this one's are dropped.
+                end = self._end_events(job, pipe if outcome != "lost" else None)
                 pipe.execute()
         except REDIS_ERRORS as exc:
-            # A success not recorded is re-run once its registry entry lapses: answered from
-            # the store, not rendered again (worker/render.py step 2).
+            # A success not committed is re-run once its lease lapses: answered from the store,
+            # not rendered again (worker/render.py step 2), and recorded by that worker.
             log.warning("could not record the end of job %s: %s", job.id, exc)
+        if record is not None and outcome == "lost":
+            record.status, record.error = "stopped", f"job {job.id}: {LEASE_LOST}"
+            renderer.publish(record)
         if end is not None and end[1] is not None:
             self.webhooks.send(end[1], end[0])
 
     def _end_events(self, job: Job, pipe: Any) -> Any:
-        """The job's last events, in the same round trip as the state published after it."""
+        """The job's last events, in the same round trip as the state published after it; with
+        no pipe the journal is closed and its events dropped."""
+        if pipe is None:
+            with self.connection.pipeline(transaction=False) as scratch:  # never sent
+                job_events.close_journal(self.connection, scratch, job.id, job.origin, "", None)
+            return None
         status = job.get_status(refresh=False)
         error = (job.meta.get("error") or {}).get("message")
         return job_events.close_journal(

@@ -88,27 +88,30 @@ class Renderer:
             simulated_device=self.info.simulated,
             model=_requested_model(payload),  # so a refused job still counts against its model
         )
-        recorded = False  # this job's one record was written before a crash: write no other
         try:
             # 0. A job refused by its runner, or cancelled while it waited, never loads a model.
             ctx.admit()
             # 1. Validate against the manifest: never trust the queue.
             request = self.validate(payload)
             _describe(record, request)
-            # 2. A job whose files were completed before a crash is answered from the store,
-            #    with one record: the render's, recovered from result.json unless written already.
+            # 2. A job whose files were completed before a crash is answered from the store. Its
+            #    record is this worker's, with the render's phases from result.json: the worker
+            #    that rendered it died before committing the job's end, so it published none.
             digest = request_digest(request)
             done = self.store.finished_result(ctx.job_id, digest)
             if done is not None:
-                recorded = output.recorded(self.settings.output_dir, ctx.job_id)
-                record = TimingRecord.from_result(done)
+                record = TimingRecord.from_result(done, answered_by=self.worker_name)
+                record.status = "done"
                 return done
-            # 3. Choose a rung and have the pipeline resident there.
+            # 3. Choose a rung and have the pipeline resident there. A cancel or a lost lease is
+            #    taken at every phase boundary as well as at every denoising step.
+            _checkpoint(ctx, "before loading")
             manifest = self.manifests[request.model]
             ladder = Ladder(manifest.id, self.settings.memory_mode, record.attempts)
             choice = self._choose_rung(manifest, request)
             record.rung_reason = choice.reason
             loaded = self._ensure_loaded(manifest, choice.rung, ladder, watch, record)
+            _checkpoint(ctx, "after loading")
             # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
             images, loaded = ladder.generate(
                 loaded,
@@ -127,11 +130,15 @@ class Renderer:
                 pushed_down=pushed_down,
                 usable_gb=choice.usable_gb or 0.0,
             )
-            # 5. Encode and save; result.json last, as the mark of a complete job.
+            _checkpoint(ctx, "after decode")
+            # 5. Encode and save; result.json last, as the mark of a complete job. Nothing is
+            #    written unless this run still holds the job (a stalled worker's may have lapsed).
             with watch.phase("image_encode"):
                 encoded = [output.encode_image(image, request.output_format) for image in images]
+            ctx.confirm()
             with watch.phase("save"):
                 files = self.store.save_images(ctx.job_id, encoded)
+            _checkpoint(ctx, "after saving its images")
             result = self._result(request, ctx, loaded, record, files, watch, started_at, digest)
             self.store.write_result(result)
             record.status = "done"
@@ -149,12 +156,15 @@ class Renderer:
         finally:
             if record.answered_from == "render":
                 record.timings = watch.timings(ctx.queue_wait_s)
-            if not recorded:
-                emit(record, self.settings.timings_log)
-                if record.status == "done":
-                    output.mark_recorded(self.settings.output_dir, ctx.job_id)
-                if self.on_record is not None:
-                    self.on_record(record)
+            # A done job's record waits for the job's end to be committed when a queue runs it.
+            if record.status != "done" or not ctx.hold_done_record(record):
+                self.publish(record)
+
+    def publish(self, record: TimingRecord) -> None:
+        """The job's one record: the log line, the timings file, then the record listener."""
+        emit(record, self.settings.timings_log)
+        if self.on_record is not None:
+            self.on_record(record)
 
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
@@ -310,6 +320,11 @@ class Renderer:
             finished_at=datetime.now(timezone.utc),
             request_sha256=digest,
         )
+
+
+def _checkpoint(ctx: JobContext, where: str) -> None:
+    if ctx.stop_requested():
+        raise JobStopped(f"job {ctx.job_id} stopped on request {where}")
 
 
 def _describe(record: TimingRecord, request: RenderRequest) -> None:

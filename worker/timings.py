@@ -87,9 +87,11 @@ class TimingRecord(BaseModel):
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
     settings: SettingsReport = Field(default_factory=SettingsReport)
-    worker: str | None = None
-    # "store": answered from disk after a crash; its phases are the render's, from result.json.
+    worker: str | None = None  # the worker that ran this job and wrote this record
+    # "store": answered from the store after the rendering worker died before committing the
+    # job's end; its phases are the render's, from result.json, and rendered_by names that worker.
     answered_from: Literal["render", "store"] = "render"
+    rendered_by: str | None = None
     finished_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))  # set by emit
 
     @property
@@ -104,9 +106,9 @@ class TimingRecord(BaseModel):
         )
 
     @classmethod
-    def from_result(cls, result: RenderResult) -> TimingRecord:
-        """The render's own record, recovered from its result.json by a worker answering the job
-        from disk after the rendering worker died before writing it."""
+    def from_result(cls, result: RenderResult, answered_by: str) -> TimingRecord:
+        """The record of a job answered from the store by worker answered_by, with the phases
+        of the render that wrote result.json (its worker died before committing the job)."""
         return cls(
             job_id=result.job_id,
             model=result.model,
@@ -126,7 +128,8 @@ class TimingRecord(BaseModel):
             quantized=result.quantized,
             attempts=result.attempts,
             settings=result.settings,
-            worker=result.worker,
+            worker=answered_by,
+            rendered_by=result.worker,
             answered_from="store",
         )
 
