@@ -1,4 +1,11 @@
-"""Logging: structlog JSON lines (or console) on stdout for kiln's records, plain stdlib for RQ."""
+"""Logging: one line per event in one format, KILN_LOG_FORMAT's (json or console), redacted.
+
+kiln's structlog events (the timing records among them) go to stdout. Everything that reaches
+the stdlib `logging` module (kiln's modules, RQ, redis, the ML libraries, and `warnings.warn`
+through logging.captureWarnings) goes to stderr through structlog's ProcessorFormatter, so an
+operator's log shipper reads JSON objects from both streams, tracebacks included (as a string
+field, never as extra lines).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,10 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
+from structlog.typing import Processor
 
 from api_client.redact import redact
 
@@ -50,6 +58,10 @@ class Redactor(logging.Filter):
         return event
 
 
+class KilnHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The root logger's handler that configure() installs (and replaces when called again)."""
+
+
 def configure(
     log_format: str = "json",
     level: int = logging.INFO,
@@ -60,17 +72,15 @@ def configure(
     the records still go to the timings log). secrets: values never to print (Settings.secrets)."""
     quiet_libraries()
     redactor = Redactor(secrets)
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stdout.isatty())
-    )
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    # Tracebacks become a string field before redaction, so a URL in one is masked too.
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamp,
+            structlog.processors.format_exc_info,
             redactor,
-            renderer,
+            _renderer(log_format, sys.stdout),
         ],
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
         wrapper_class=structlog.make_filtering_bound_logger(
@@ -78,10 +88,31 @@ def configure(
         ),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            stamp,
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            redactor,
+            _renderer(log_format, sys.stderr),
+        ],
     )
-    for handler in logging.getLogger().handlers:
-        for old in [f for f in handler.filters if isinstance(f, Redactor)]:
-            handler.removeFilter(old)
-        handler.addFilter(redactor)
+    handler = KilnHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, KilnHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    # warnings.warn from here on is a log record like any other, not a bare line on stderr.
+    logging.captureWarnings(True)
+
+
+def _renderer(log_format: str, stream: TextIO) -> Processor:
+    if log_format == "json":
+        return structlog.processors.JSONRenderer()
+    return structlog.dev.ConsoleRenderer(colors=stream.isatty())

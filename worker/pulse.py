@@ -1,22 +1,122 @@
 """The worker's side thread: keeps the running job's heartbeat fresh, publishes the worker's
-state, and hands jobs whose worker died back to their queue."""
+state, and hands jobs whose worker died back to their queue. It also watches the worker's Redis
+connection, so an outage leaves one `redis_lost` and one `redis_regained` line in the log."""
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
+import structlog
+from redis import Redis
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
+events = structlog.get_logger("kiln.redis")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+T = TypeVar("T")
+
+
+class RedisWatch:
+    """Whether the worker's Redis answers. An outage spans many commands, threads and retries;
+    the log gets one `redis_lost` (with the first error) as it starts and one `redis_regained`
+    (with down_s, seconds from that error to the first answer) as it ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lost_at: float | None = None
+        self._regained_at = -math.inf
+
+    def failed(self, error: BaseException, attempt_started: float | None = None) -> None:
+        """A command failed. One sent before Redis last came back (attempt_started, monotonic)
+        and failing after it is a straggler of the outage already logged, not a new one."""
+        with self._lock:
+            if self.lost_at is not None:
+                return
+            if attempt_started is not None and attempt_started < self._regained_at:
+                return
+            self.lost_at = time.monotonic()
+        events.warning("redis_lost", error=f"{type(error).__name__}: {error}")
+
+    def answered(self) -> None:
+        """A command succeeded: the end of the outage, if there is one."""
+        if self.lost_at is None:  # every command passes here: no lock when all is well
+            return
+        with self._lock:
+            if self.lost_at is None:
+                return
+            moment = time.monotonic()
+            down_s, self.lost_at, self._regained_at = moment - self.lost_at, None, moment
+        events.info("redis_regained", down_s=round(down_s, 2))
+
+
+class WatchedRetry(Retry):
+    """redis-py's Retry that tells a RedisWatch about every failed attempt and every success.
+
+    The worker's connection retries each command for about a minute (worker/queue.py
+    worker_connection), so a short outage never raises into kiln or RQ: only the retry policy
+    sees it. redis-py deep-copies the policy into each connection; the copies share the watch.
+    """
+
+    def __init__(
+        self,
+        watch: RedisWatch,
+        backoff: Any,
+        retries: int,
+        supported_errors: tuple[type[Exception], ...],
+    ) -> None:
+        super().__init__(backoff, retries, supported_errors)
+        self.watch = watch
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WatchedRetry:
+        backoff = copy.deepcopy(self._backoff, memo)
+        return WatchedRetry(self.watch, backoff, self._retries, self._supported_errors)
+
+    def call_with_retry(
+        self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> T:
+        started = time.monotonic()
+
+        def attempt() -> T:
+            nonlocal started
+            started = time.monotonic()
+            return do()
+
+        def failed(error: Exception, *count: Any) -> Any:
+            self.watch.failed(error, started)
+            return fail(error, *count)
+
+        result: T = super().call_with_retry(attempt, failed, *args, **kwargs)
+        self.watch.answered()
+        return result
+
+
+def watch_connection(connection: Redis) -> RedisWatch:
+    """The watch on a connection's commands: its retry policy (backoff, retries, errors) is kept,
+    wrapped in a WatchedRetry the first time; later calls return the same watch."""
+    retry = connection.get_retry()
+    if isinstance(retry, WatchedRetry):
+        return retry.watch
+    watch = RedisWatch()
+    if retry is None:  # redis-py's policy when none is given and none is asked for: no retry
+        retry = Retry(NoBackoff(), 0)
+    watched = WatchedRetry(watch, retry._backoff, retry.get_retries(), retry._supported_errors)
+    watched.update_supported_errors(connection.get_connection_kwargs().get("retry_on_error") or [])
+    connection.set_retry(watched)
+    return watch
 
 
 class Beating(Protocol):
     name: str
+    connection: Redis
     heartbeat_interval_s: float
     sweep_interval_s: float
     state_interval_s: float
@@ -36,6 +136,9 @@ class Pulse(threading.Thread):
     SimpleWorker only heartbeats between jobs; a render that outlives the heartbeat TTL would look
     abandoned, and a TTL long enough to cover any render would leave a killed worker's job stuck
     for that long. Every Redis call here goes through the worker's pool, which is thread-safe.
+
+    Its RedisWatch sees every command on the worker's connection (RQ's dequeue, the render's
+    events, these beats), so an outage is logged whichever thread meets it first.
     """
 
     def __init__(self, worker: Beating) -> None:
@@ -44,6 +147,7 @@ class Pulse(threading.Thread):
         self.stopping = threading.Event()
         self._state_at = time.monotonic()  # the worker publishes its state as it starts
         self._swept_at = float("-inf")
+        self.redis = watch_connection(worker.connection)
 
     def run(self) -> None:
         while not self.stopping.wait(self.worker.heartbeat_interval_s):
@@ -62,11 +166,9 @@ class Pulse(threading.Thread):
                 self._swept_at = time.monotonic()
                 self.worker.recover_abandoned()
         except REDIS_ERRORS as exc:
-            log.warning(
-                "pulse: Redis unavailable (%s); retrying in %.0f s",
-                exc,
-                self.worker.heartbeat_interval_s,
-            )
+            # The connection's retries ran out (or an error they do not cover): the next beat
+            # tries again. Logged once per outage, not once a beat.
+            self.redis.failed(exc)
         except Exception:
             log.exception("pulse: unexpected error; carrying on")
 

@@ -1,0 +1,143 @@
+"""The worker's log as an operator's shipper reads it, from real `kiln worker` processes: under
+KILN_LOG_FORMAT=json every line on stdout and stderr is one JSON object (kiln's records, stdlib
+and RQ lines, the warm-shutdown warning), and a Redis outage leaves exactly one `redis_lost`
+and one `redis_regained` line, with how long Redis was gone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from api_client import KilnClient, KilnJob
+from tests.conftest import ROOT
+from tests.workers import RedisServer, WorkerProcess, paced, wait_until
+
+OUTAGE_S = 4.0
+
+
+class SplitWorker(WorkerProcess):
+    """A paced `kiln worker` with stdout and stderr in two files: merged, a line from one
+    stream could land inside a line of the other and neither would parse."""
+
+    def __init__(self, env: dict[str, str], directory: Path, *args: str) -> None:
+        self.log, self.err = directory / "stdout.log", directory / "stderr.log"
+        self.name = f"test-worker-{time.monotonic_ns()}"
+        fake = paced(0.4)
+        with open(self.log, "ab") as out, open(self.err, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", fake.module, "worker", "--name", self.name, *args],
+                env={**env, **fake.env, "KILN_LOG_FORMAT": "json"},
+                cwd=ROOT,
+                stdout=out,
+                stderr=err,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] + self.err.read_text(errors="replace")
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(stream, line) for every line written so far, blank ones included."""
+        return [
+            (path.stem, line)
+            for path in (self.log, self.err)
+            for line in path.read_text(errors="replace").splitlines()
+        ]
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every line that parses as a JSON object (the other ones are what test (a) catches)."""
+        found = []
+        for _, line in self.lines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                found.append(event)
+        return found
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e.get("event") == name]
+
+
+def not_json(lines: list[tuple[str, str]]) -> list[str]:
+    bad = []
+    for stream, line in lines:
+        try:
+            parsed = json.loads(line)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            bad.append(f"{stream}: {line!r}")
+    return bad
+
+
+def denoising(job: KilnJob) -> bool:
+    progress = job.progress()
+    return progress is not None and progress.phase == "denoise" and progress.step >= 1
+
+
+def test_every_line_of_a_json_worker_is_json_through_a_warm_shutdown(
+    redis_conn: Redis, kiln_env: dict[str, str], settings: Any, tmp_path: Path
+) -> None:
+    worker = SplitWorker(kiln_env, tmp_path, "--models", "tiny-sd15")
+    try:
+        worker.wait_ready(redis_conn)
+        client = KilnClient(connection=redis_conn, manifests_dir=settings.manifests)
+        job = client.submit({"model": "tiny-sd15", "prompt": "json lines", "steps": 8, "seed": 2})
+        wait_until(lambda: denoising(job), 120, "the job to start denoising")
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(timeout=120) == 0, worker.output()
+        assert job.wait(timeout=1).steps == 8  # the warm shutdown finished it
+    finally:
+        worker.stop()
+    lines = worker.lines()
+    assert lines, "the worker wrote nothing"
+    assert not_json(lines) == [], "\n".join(not_json(lines))
+    [warm] = [e for e in worker.events() if "warm shutdown requested" in str(e.get("event"))]
+    assert warm["level"] == "warning" and warm["logger"] == "worker.queue", warm
+    assert "timestamp" in warm
+    names = [e.get("event") for e in worker.events()]
+    assert "worker_started" in names and "job_timing" in names, names
+
+
+def test_a_redis_outage_leaves_one_lost_and_one_regained_line(
+    kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    url = f"redis://127.0.0.1:{redis.port}/0"
+    worker = SplitWorker({**kiln_env, "KILN_REDIS_URL": url}, tmp_path, "--models", "tiny-sd15")
+    try:
+        worker.wait_ready(Redis.from_url(url))
+        # 1. Redis goes away for OUTAGE_S while the worker waits on its queues, and comes back on
+        #    the same port (empty: it saves nothing).
+        redis.kill()
+        stopped_at = time.monotonic()
+        wait_until(lambda: worker.named("redis_lost"), 30, "the worker to log redis_lost")
+        time.sleep(max(OUTAGE_S - (time.monotonic() - stopped_at), 0))  # the outage itself
+        redis.start()
+        outage_s = time.monotonic() - stopped_at
+        wait_until(lambda: worker.named("redis_regained"), 60, "the worker to log redis_regained")
+        # 2. The worker works on: a job submitted after the outage is rendered.
+        conn = Redis.from_url(url)
+        worker.wait_ready(conn)  # its state is published again
+        client = KilnClient(connection=conn, manifests_dir=Path(kiln_env["KILN_MANIFESTS"]))
+        client.submit({"model": "tiny-sd15", "prompt": "after", "steps": 2}).wait(timeout=120)
+    finally:
+        worker.stop()
+        redis.kill()
+    [lost] = worker.named("redis_lost")
+    [regained] = worker.named("redis_regained")
+    assert lost["level"] == "warning" and "ConnectionError" in lost["error"], lost
+    assert regained["level"] == "info", regained
+    # Regained is noticed at the next retry after Redis answers (redis-py backs off up to 2 s).
+    assert outage_s - 1.0 <= regained["down_s"] <= outage_s + 4.0, (regained, outage_s)
+    assert not_json(worker.lines()) == []
