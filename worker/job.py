@@ -4,6 +4,7 @@ its payload, admission, progress into job.meta and stop requests."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -16,12 +17,14 @@ from api_client import events, keys
 from api_client.client import ABANDONED_RETRIES
 from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import RENDER_FUNC, JobError, JobEvent
+from api_client.webhooks import queue_webhook, webhook_target
 from worker import events as job_events
 from worker import quarantine
 from worker.errors import JobStopped, LeaseLost, RefusedJob, ShutdownStop
 from worker.store import Store
 from worker.timings import TimingRecord
 
+log = logging.getLogger(__name__)
 LEASE_LOST = (
     "lease lost: its heartbeat lapsed (this worker stalled or lost Redis) and the job went back "
     "to its queue; this worker stopped it and wrote nothing"
@@ -54,6 +57,12 @@ class RenderJob(Job):
         return self._result
 
     def restore(self, raw_data: Any) -> None:
+        # rq's own tools may rewrite meta in their serializer (`rq requeue` writes pickle): it is
+        # read as empty, never unpickled, and the job runs (a job is never deleted for it).
+        dropped = quarantine.unreadable_meta(raw_data)
+        if dropped:
+            log.warning("job %s: ignoring its meta, which kiln cannot read (%s)", self.id, dropped)
+            raw_data = {k: v for k, v in raw_data.items() if k != b"meta"}
         # Every fetch passes here: a record kiln cannot read is quarantined, never half-read.
         reasons = quarantine.unreadable(raw_data, self.id)
         if not reasons:
@@ -120,7 +129,10 @@ class RenderJob(Job):
             failed = JobEvent(
                 kind="failed", job_id=self.id, model=model, at=events.now(), error=reason
             )
-            events.publish(self.connection, [failed])
+            with self.connection.pipeline(transaction=False) as pipe:
+                events.add_events(pipe, [failed])
+                queue_webhook(pipe, webhook_target(_request_of(self)), failed)
+                pipe.execute()
 
     @property
     def success_callback(self) -> None:

@@ -31,6 +31,8 @@ from rq.utils import str_to_date
 from api_client import events, keys
 from api_client.client import MAX_JOB_ID_CHARS
 from api_client.errors import short
+from api_client.schema import JobEvent
+from api_client.webhooks import job_webhook_target, queue_webhook
 
 log = logging.getLogger(__name__)
 QUARANTINE_MAX = 1000
@@ -83,7 +85,9 @@ def unreadable(raw: dict[bytes, bytes], job_id: str | None = None) -> list[str]:
     """Every reason kiln cannot read this job hash, each naming its field; [] when it can.
 
     Checks what rq's Job.restore parses (and raises on) plus the shapes kiln relies on later:
-    data a JSON [func, instance, args, kwargs], meta a JSON object, intervals lists of seconds.
+    data a JSON [func, instance, args, kwargs], intervals lists of seconds. Not meta: rq's own
+    tools rewrite it in their serializer (`rq requeue` writes pickle), and kiln keeps only a
+    failure's reason there, so RenderJob drops an unreadable meta instead (unreadable_meta).
     """
     fields = {_text(k): v for k, v in raw.items()}
     problems = [_data_problem(fields.get("data"))]
@@ -97,7 +101,6 @@ def unreadable(raw: dict[bytes, bytes], job_id: str | None = None) -> list[str]:
         (_TEXTS, lambda v: v.decode()),
         (("dependency_ids",), lambda v: _json_list(v, str)),
         (_INTERVALS, lambda v: _json_list(v, int)),
-        (("meta",), _json_object),
     ]
     for names, check in checks:
         for name in names:
@@ -141,11 +144,17 @@ def _json_list(value: bytes, kind: type) -> list[Any]:
     return items
 
 
-def _json_object(value: bytes) -> dict[str, Any]:
-    meta = json.loads(value.decode())
-    if not isinstance(meta, dict):
-        raise ValueError(f"must be a JSON object, got {_kind(meta)}")
-    return meta
+def unreadable_meta(raw: dict[bytes, bytes]) -> str | None:
+    """Why the hash's meta is not a JSON object (never unpickled, never imported); None if it is
+    one or there is none."""
+    value = raw.get(b"meta")
+    if not value:
+        return None
+    try:
+        meta = json.loads(value.decode())
+    except Exception as exc:
+        return f"meta={short(_shown(value))!r}: {short(_why(exc))}"
+    return None if isinstance(meta, dict) else f"meta: must be a JSON object, got {_kind(meta)}"
 
 
 def _kind(value: Any) -> str:
@@ -200,6 +209,15 @@ def move_aside(
         for key in queue_keys:
             pipe.lrem(key, 0, job_id)
             pipe.lrem(f"{key}:intermediate", 0, job_id)
+        if valid_id(job_id):  # its end goes to the webhook its request named, if any
+            failed = JobEvent(
+                kind="failed",
+                job_id=job_id,
+                model=origin.removeprefix(keys.QUEUE_PREFIX) or None,
+                at=events.now(),
+                error=short(f"quarantined: {entry.reason}", 1000),
+            )
+            queue_webhook(pipe, job_webhook_target(raw.get(b"data")), failed)
         pipe.execute()
     _trim(conn)
     log.error("job %s quarantined: %s", entry.job_id, entry.reason)
