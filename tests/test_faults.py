@@ -13,10 +13,12 @@ import pytest
 from redis import Redis
 
 from api_client import KilnClient, RenderFailed
+from tests.fixtures.failing_disk import fails_writing
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.workers import SLOW_MODEL, pace_here, slow_manifests
 from worker import output
 from worker.context import LocalContext
+from worker.errors import JobDeadlineExceeded, OutputError, StoreUnavailable
 
 
 def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
@@ -65,26 +67,53 @@ def test_unwritable_output_dir_fails_the_job_clearly(
 def test_full_disk_fails_the_job_clearly_and_leaves_no_partial_files(
     redis_conn: Redis, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """0.png is written, 1.png finds the disk full: the job fails at once (a full disk waits for
+    an operator, it does not heal in a retry) and none of its files stay, 0.png included."""
     client = client_for(redis_conn, settings)
     job = client.submit({"model": "tiny-sd15", "prompt": "full", "steps": 2, "num_images": 2})
     after = client.submit({"model": "tiny-sd15", "prompt": "after", "steps": 2})
-    real_write = output._write_atomic
-
-    def disk_full_for_the_second_image(path: Path, data: bytes) -> None:
-        # The fake for ENOSPC: the first job's second image does not fit; later jobs do.
-        if path.parent.name == job.id and path.name.startswith("1."):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real_write(path, data)
-
-    monkeypatch.setattr(output, "_write_atomic", disk_full_for_the_second_image)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(output, "_write_atomic", fails_writing(job.id, "1.png", full))
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     with pytest.raises(RenderFailed, match="No space left on device") as caught:
         job.wait(timeout=1)
     assert caught.value.status == "failed"
-    assert not (settings.output_dir / job.id / "result.json").exists()
-    assert not list((settings.output_dir / job.id).glob(".*.tmp"))
+    assert not (settings.output_dir / job.id).exists()  # no 0.png, no temp file, no directory
     assert after.wait(timeout=1).model == "tiny-sd15"
     assert [r.status for r in records(settings.timings_log)] == ["failed", "done"]
+    assert (records(settings.timings_log)[0].error or "").startswith("OutputError: ")
+
+
+@pytest.mark.parametrize(
+    ("failing", "error", "raised"),
+    [
+        ("1.png", OSError(errno.ETIMEDOUT, "Connection timed out"), StoreUnavailable),
+        ("1.png", JobDeadlineExceeded("ran past its timeout"), JobDeadlineExceeded),
+        ("result.json", OSError(errno.ESTALE, "Stale file handle"), StoreUnavailable),
+        ("result.json", OSError(errno.EACCES, "Permission denied"), OutputError),
+    ],
+    ids=["mount-timeout", "deadline", "stale-mount", "permission"],
+)
+def test_a_local_write_failing_mid_job_leaves_no_files(
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    failing: str,
+    error: BaseException,
+    raised: type[BaseException],
+) -> None:
+    """A network mount that timed out or went stale heals (StoreUnavailable: the queue puts the
+    job back); a permission does not. Either way, and on a deadline, the job directory goes."""
+    monkeypatch.setattr(output, "_write_atomic", fails_writing("mid-job", failing, error))
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    with pytest.raises(raised) as caught:
+        renderer.render(
+            {"model": "tiny-sd15", "prompt": "mid", "steps": 2, "num_images": 2},
+            LocalContext("mid-job"),
+        )
+    assert isinstance(caught.value, StoreUnavailable) == (raised is StoreUnavailable)
+    if isinstance(caught.value, StoreUnavailable):
+        assert caught.value.cause == str(error)
+    assert not (settings.output_dir / "mid-job").exists()
 
 
 def test_a_timeout_inside_a_guarded_step_still_ends_the_job(

@@ -3,29 +3,37 @@ results a backend on another host can fetch, and store failures that fail one jo
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 from redis import Redis
 
-from api_client import RenderFailed
+from api_client import KilnClient, RenderFailed
 from api_client.fetch import FetchFailed
 from api_client.webhooks import verify_webhook
-from tests.conftest import ROOT
+from tests.conftest import MANIFESTS, ROOT
+from tests.fixtures.flaky_s3 import FlakyS3
+from tests.fixtures.stops_after_preview import StopsAfterPreview
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.hookserver import HookServer
 from tests.s3server import BUCKET, MotoServer
-from tests.workers import free_port, pace_here, wait_until
+from tests.workers import STARTUP_S, WorkerProcess, free_port, pace_here, wait_until
 from worker.context import LocalContext
+from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreUnavailable
+from worker.store import StoreError
 
-SECRET = "studio-webhook-secret-0123456789"
+# Standard Webhooks: whsec_ and the base64 of the key bytes.
+SECRET = "whsec_" + base64.b64encode(b"studio-webhook-secret-0123456789").decode()
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 5}
 
 
@@ -154,6 +162,7 @@ def test_local_results_fetch_and_download_with_sha256_checked(
 def _fails_naming(
     redis_conn: Redis, settings: Any, renderer: Any, pattern: str, secret: str | None = None
 ) -> str:
+    """The queued job fails at once (no retry) with a StoreError whose message has pattern."""
     client = client_for(redis_conn, settings)
     job = client.submit(REQUEST)
     burst(redis_conn, renderer, ["tiny-sd15"])
@@ -162,37 +171,174 @@ def _fails_naming(
     message = caught.value.message
     assert pattern in message, message
     assert secret is None or secret not in message
+    # Permanent: failed at once, not taken for an outage that heals.
+    error = records(settings.timings_log)[-1].error or ""
+    assert error.startswith("StoreError: "), error
     return job.id
 
 
-def test_unreachable_store_fails_the_job_and_serves_the_next_when_back(
-    redis_conn: Redis, make_settings: Any, tmp_path: Path
+def test_an_unreachable_store_is_unavailable_and_serves_the_next_job_when_back(
+    make_settings: Any, tmp_path: Path
 ) -> None:
+    """Connections refused: a failure that heals (StoreUnavailable, which the queue puts back),
+    named, within seconds, never printing the secret; the same renderer serves the store when
+    it is back."""
     server = MotoServer(tmp_path / "moto.log", port=free_port())
     settings = make_settings(**server.store_settings())
     renderer = make_renderer(settings, ["tiny-sd15"])
     started = time.monotonic()
-    job_id = _fails_naming(
-        redis_conn,
-        settings,
-        renderer,
-        f"s3://{BUCKET}/renders/",
-        secret=server.secret_key,
-    )
-    assert time.monotonic() - started < 60
+    with pytest.raises(StoreUnavailable) as caught:
+        renderer.render(REQUEST, LocalContext("while-down"))
+    assert time.monotonic() - started < 30
+    message, cause = str(caught.value), caught.value.cause
+    assert f"s3://{BUCKET}/renders/while-down/" in message, message
+    assert f"at endpoint {server.endpoint}" in message and server.endpoint in cause
+    assert server.secret_key not in message + cause
     [record] = records(settings.timings_log)
-    assert f"at endpoint {server.endpoint}" in (record.error or "")
-    # The store comes back: the same worker's next job lands there.
+    assert (record.error or "").startswith("StoreUnavailable: "), record.error
     server.start()
     try:
         server.setup()
-        client = client_for(redis_conn, settings)
-        after = client.submit(REQUEST)
-        burst(redis_conn, renderer, ["tiny-sd15"])
-        assert after.wait(timeout=5).images[0].uri == f"s3://{BUCKET}/renders/{after.id}/0.png"
-        assert server.keys_under(f"renders/{job_id}/") == []  # no partial result
+        after = renderer.render(REQUEST, LocalContext("after"))
+        assert after.images[0].uri == f"s3://{BUCKET}/renders/after/0.png"
     finally:
         server.stop()
+
+
+@pytest.fixture
+def flaky(s3: MotoServer) -> Iterator[FlakyS3]:
+    proxy = FlakyS3(s3.endpoint)
+    proxy.start()
+    yield proxy
+    proxy.stop()
+
+
+def _through(proxy: FlakyS3, s3: MotoServer, prefix: str) -> dict[str, Any]:
+    return {**s3.store_settings(prefix=prefix), "aws_endpoint_url": proxy.endpoint}
+
+
+@pytest.mark.parametrize(
+    ("failing", "status", "code", "heals"),
+    [
+        ("1.png", 503, "SlowDown", True),
+        ("result.json", 500, "InternalError", True),
+        ("1.png", 403, "AccessDenied", False),
+        ("result.json", 404, "NoSuchBucket", False),
+    ],
+)
+def test_a_put_failing_after_the_first_image_leaves_no_objects(
+    make_settings: Any,
+    s3: MotoServer,
+    flaky: FlakyS3,
+    failing: str,
+    status: int,
+    code: str,
+    heals: bool,
+) -> None:
+    """Image 0 is in the bucket when image 1 (or result.json) fails: both are gone afterwards.
+    A 5xx heals (StoreUnavailable); a 4xx is the operator's to fix (StoreError, at once)."""
+    prefix = f"partial-{code.lower()}"
+    settings = make_settings(**_through(flaky, s3, prefix))
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    flaky.fail("PUT", f"*/{prefix}/half/{failing}", status, code)
+    with pytest.raises(StoreError if not heals else StoreUnavailable) as caught:
+        renderer.render({**REQUEST, "num_images": 2}, LocalContext("half"))
+    assert isinstance(caught.value, StoreUnavailable) == heals
+    assert f"s3://{BUCKET}/{prefix}/half/{failing}" in str(caught.value)
+    assert ("PUT", f"/{BUCKET}/{prefix}/half/0.png") in flaky.passed  # a partial result existed
+    assert s3.keys_under(f"{prefix}/half/") == []
+
+
+@pytest.mark.parametrize("hanging", ["1.png", "result.json"])
+def test_a_deadline_landing_inside_the_save_leaves_no_objects(
+    redis_conn: Redis, make_settings: Any, s3: MotoServer, flaky: FlakyS3, hanging: str
+) -> None:
+    """The store takes image 0, then holds the next put until the job's deadline (SIGALRM,
+    JobDeadlineExceeded) lands inside boto3: the job fails on time, and its objects go."""
+    prefix = f"deadline-{hanging.replace('.', '-')}"
+    settings = make_settings(**_through(flaky, s3, prefix), job_timeout_s=10)
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    two = {**REQUEST, "num_images": 2}
+    renderer.render(two, LocalContext("warm-up"))  # loaded and warm before the clock starts
+    client = client_for(redis_conn, settings)
+    job = client.submit(two)
+    flaky.hang("PUT", f"*/{prefix}/{job.id}/{hanging}")
+    started = time.monotonic()
+    burst(redis_conn, renderer, ["tiny-sd15"])
+    assert flaky.hung.is_set() and time.monotonic() - started < 30
+    with pytest.raises(RenderFailed, match="ran past its timeout of 10 s"):
+        job.wait(timeout=5)
+    assert ("PUT", f"/{BUCKET}/{prefix}/{job.id}/0.png") in flaky.passed
+    assert s3.keys_under(f"{prefix}/{job.id}/") == []
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [ShutdownStop("second SIGTERM; re-queued"), JobDeadlineExceeded("ran past its timeout")],
+    ids=["second-sigterm", "deadline"],
+)
+def test_a_job_ending_after_its_preview_leaves_no_objects(
+    make_settings: Any, s3: MotoServer, stop: BaseException
+) -> None:
+    """A preview is put at a quarter of the steps; a job stopped or timed out after it leaves
+    no preview.jpg behind (a finished job keeps it: the first test)."""
+    prefix = f"preview-{type(stop).__name__.lower()}"
+    settings = make_settings(**s3.store_settings(prefix=prefix))
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    ctx = StopsAfterPreview("previewed", stop=stop)
+    with pytest.raises(type(stop)):
+        renderer.render({**REQUEST, "steps": 8, "previews": True}, ctx)
+    assert ctx.previews == [f"s3://{BUCKET}/{prefix}/previewed/preview.jpg"]
+    assert s3.keys_under(f"{prefix}/previewed/") == []
+
+
+def test_a_local_job_ending_after_its_preview_leaves_no_files(settings: Any) -> None:
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    ctx = StopsAfterPreview("previewed", stop=ShutdownStop("second SIGTERM; re-queued"))
+    with pytest.raises(ShutdownStop):
+        renderer.render({**REQUEST, "steps": 8, "previews": True}, ctx)
+    assert ctx.previews and Path(urlparse(ctx.previews[0]).path).name == "preview.jpg"
+    assert not (settings.output_dir / "previewed").exists()
+
+
+def test_a_second_sigterm_during_the_save_leaves_a_whole_result_or_none(
+    redis_conn: Redis,
+    kiln_env: dict[str, str],
+    s3: MotoServer,
+    flaky: FlakyS3,
+    tmp_path: Path,
+) -> None:
+    """A real `kiln worker` is putting image 1 when it gets SIGTERM twice. Whatever the worker
+    then does with the job (finish it, or stop it and put it back), the bucket holds the whole
+    result or nothing of it, and the job is done or queued again accordingly."""
+    store = _through(flaky, s3, "sigterm")
+    env = {
+        **kiln_env,
+        "KILN_OUTPUT_URL": store["output_url"],
+        "AWS_ENDPOINT_URL": store["aws_endpoint_url"],
+        "AWS_REGION": store["aws_region"],
+        "AWS_ACCESS_KEY_ID": store["aws_access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": store["aws_secret_access_key"],
+    }
+    client = KilnClient(connection=redis_conn, manifests_dir=MANIFESTS)
+    job = client.submit({**REQUEST, "num_images": 2})
+    flaky.hang("PUT", f"*/sigterm/{job.id}/1.png")
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--models", "tiny-sd15")
+    try:
+        wait_until(flaky.hung.is_set, STARTUP_S, "the worker to put image 1")
+        worker.signal(signal.SIGTERM)
+        wait_until(lambda: "warm shutdown requested" in worker.output(), 30, "the first SIGTERM")
+        worker.signal(signal.SIGTERM)
+        wait_until(lambda: "shutdown now requested" in worker.output(), 30, "the second SIGTERM")
+        flaky.release()
+        assert worker.wait(timeout=60) == 0, worker.output()
+    finally:
+        worker.stop()
+    names = [key.rsplit("/", 1)[1] for key in s3.keys_under(f"sigterm/{job.id}/")]
+    if names:
+        assert names == ["0.png", "1.png", "result.json"] and job.status() == "finished"
+    else:
+        assert job.status() == "queued", worker.output()
 
 
 def test_missing_bucket_fails_the_job_naming_endpoint_bucket_and_key(
