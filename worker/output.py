@@ -183,7 +183,7 @@ def discard(output_dir: Path, job_id: str, names: list[str]) -> None:
             try:
                 path.unlink(missing_ok=True)
             except (Exception, JobDeadlineExceeded) as exc:
-                log.warning("job %s failed and left %s behind: %s", job_id, path, exc)
+                log.warning("job %s did not finish; left behind %s: %s", job_id, path, exc)
     with contextlib.suppress(OSError):  # not empty (a result kept, other files) or gone already
         directory.rmdir()
 

@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 PREVIEW_INLINE_MAX = 64 * 1024  # previews up to this size also travel as bytes in events
 PREVIEW_FILE = "preview.jpg"
 _CONTENT_TYPE = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
-# S3 answers that heal: botocore's own transient and throttling codes (its standard retry mode
-# retries these first) and the 5xx family.
+# S3 answers that heal: botocore's own transient and throttling codes and statuses (its standard
+# retry mode retries these first). 501 NotImplemented does not heal.
+_HEALING_STATUS = frozenset({429, 500, 502, 503, 504})
 _HEALING_CODES = frozenset(
     {
         "InternalError",
@@ -83,17 +84,23 @@ class Store(Protocol):
 
 
 class _JobFiles:
-    """The names of the files begun for each job still rendering, until close_job takes them."""
+    """The names of the files begun for each job still rendering, until close_job takes them.
+    Bounded (a worker renders one job at a time): a caller that never closes a job costs a
+    few names, not a leak."""
 
-    def __init__(self) -> None:
-        self._names: dict[str, list[str]] = {}
+    def __init__(self, size: int = 64) -> None:
+        self._names: OrderedDict[str, list[str]] = OrderedDict()
         self._lock = threading.Lock()
+        self._size = size
 
     def add(self, job_id: str, name: str) -> None:
         with self._lock:
             names = self._names.setdefault(job_id, [])
             if name not in names:
                 names.append(name)
+            self._names.move_to_end(job_id)
+            while len(self._names) > self._size:
+                self._names.popitem(last=False)
 
     def take(self, job_id: str) -> list[str]:
         with self._lock:
@@ -304,7 +311,9 @@ class S3Store:
             except (Exception, JobDeadlineExceeded) as exc:
                 left = [f"s3://{self.bucket}/{k}" for k in keys[done:]]
                 reason = redact(str(exc), self._secrets)
-                log.warning("job %s failed and left %s behind: %s", job_id, ", ".join(left), reason)
+                log.warning(
+                    "job %s did not finish; left behind %s: %s", job_id, ", ".join(left), reason
+                )
                 return
 
     def _error(self, verb: str, key: str, exc: BaseException) -> OutputError:
@@ -333,9 +342,10 @@ def _error_code(exc: BaseException) -> str | None:
 
 
 def _heals(exc: BaseException) -> bool:
-    """Whether an S3 failure heals: no answer at all (refused, reset, timed out), a 5xx, a 429
-    or a throttling code (SlowDown, RequestTimeout...). A TLS failure (a wrong certificate) and
-    every other 4xx answer (NoSuchBucket, AccessDenied, InvalidAccessKeyId) do not."""
+    """Whether an S3 failure heals: no answer at all (refused, reset, timed out), a 500, 502,
+    503, 504 or 429, or a throttling code (SlowDown, RequestTimeout...). A TLS failure (a wrong
+    certificate), a 501 and every other 4xx (NoSuchBucket, AccessDenied, InvalidAccessKeyId)
+    do not."""
     from botocore import exceptions as boto
 
     if isinstance(exc, boto.SSLError):
@@ -352,7 +362,7 @@ def _heals(exc: BaseException) -> bool:
     response: Any = getattr(exc, "response", None)
     meta = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
     status = int(meta.get("HTTPStatusCode") or 0)
-    return _error_code(exc) in _HEALING_CODES or status == 429 or status >= 500
+    return _error_code(exc) in _HEALING_CODES or status in _HEALING_STATUS
 
 
 def _s3_client(settings: Settings) -> Any:
