@@ -107,6 +107,44 @@ def test_every_line_of_a_json_worker_is_json_through_a_warm_shutdown(
     assert "worker_started" in names and "job_timing" in names, names
 
 
+LIBRARY_LINES = """
+import logging, sys, warnings
+from worker import logs
+logs.configure(sys.argv[1], secrets=["s3cret"])
+import diffusers.utils.logging as diffusers_logging
+import transformers.utils.logging as transformers_logging
+logs.route_library_logs()
+diffusers_logging.get_logger("diffusers.pipelines").warning("from diffusers")
+transformers_logging.get_logger("transformers.models").error("from transformers")
+warnings.warn("from warnings")
+try:
+    raise ValueError("redis://kiln:s3cret@h:6379/0")
+except ValueError:
+    logging.getLogger("rq.worker").exception("from rq")
+"""
+
+
+def test_library_logs_warnings_and_tracebacks_are_json_lines_and_redacted() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_LINES, "json"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [("stderr", line) for line in done.stderr.splitlines()]
+    assert not_json(lines) == [], "\n".join(not_json(lines))
+    by_logger = {e["logger"]: e for e in map(json.loads, done.stderr.splitlines())}
+    assert by_logger["diffusers.pipelines"]["event"] == "from diffusers"
+    assert by_logger["transformers.models"]["level"] == "error"
+    assert "UserWarning: from warnings" in by_logger["py.warnings"]["event"]
+    assert "ValueError: redis://***@h:6379/0" in by_logger["rq.worker"]["exception"]
+    assert "s3cret" not in done.stdout + done.stderr
+    console = subprocess.run(
+        [sys.executable, "-c", LIBRARY_LINES, "console"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert console.returncode == 0, console.stderr
+    assert "from diffusers" in console.stderr and "[diffusers.pipelines]" in console.stderr
+    assert "s3cret" not in console.stdout + console.stderr
+
+
 def test_a_redis_outage_leaves_one_lost_and_one_regained_line(
     kiln_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -110,6 +110,18 @@ def configure(
     root.setLevel(level)
     # warnings.warn from here on is a log record like any other, not a bare line on stderr.
     logging.captureWarnings(True)
+    route_library_logs()
+
+
+def route_library_logs() -> None:
+    """diffusers and transformers log through a stderr handler of their own and keep their
+    records from the root logger: once they are imported, send those through kiln's handler.
+    Importing them here would load torch, so the worker calls this after its heavy imports."""
+    for name in ("diffusers.utils.logging", "transformers.utils.logging"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.disable_default_handler()
+            module.enable_propagation()
 
 
 def _renderer(log_format: str, stream: TextIO) -> Processor:
