@@ -16,6 +16,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+    SSLError,
+)
 from redis import Redis
 
 from api_client import KilnClient, RenderFailed
@@ -30,7 +38,7 @@ from tests.s3server import BUCKET, MotoServer
 from tests.workers import STARTUP_S, WorkerProcess, free_port, pace_here, wait_until
 from worker.context import LocalContext
 from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreUnavailable
-from worker.store import StoreError
+from worker.store import StoreError, _heals
 
 # Standard Webhooks: whsec_ and the base64 of the key bytes.
 SECRET = "whsec_" + base64.b64encode(b"studio-webhook-secret-0123456789").decode()
@@ -203,6 +211,36 @@ def test_an_unreachable_store_is_unavailable_and_serves_the_next_job_when_back(
         assert after.images[0].uri == f"s3://{BUCKET}/renders/after/0.png"
     finally:
         server.stop()
+
+
+def _answer(status: int, code: str) -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "heals"),
+    [
+        (EndpointConnectionError(endpoint_url="http://s3"), True),  # refused, or no DNS
+        (ConnectTimeoutError(endpoint_url="http://s3"), True),
+        (ReadTimeoutError(endpoint_url="http://s3"), True),
+        (ConnectionClosedError(endpoint_url="http://s3"), True),  # reset mid-answer
+        (_answer(503, "SlowDown"), True),
+        (_answer(500, "InternalError"), True),
+        (_answer(429, "TooManyRequests"), True),
+        (_answer(400, "RequestTimeout"), True),
+        (SSLError(endpoint_url="http://s3", error="certificate verify failed"), False),
+        (_answer(404, "NoSuchBucket"), False),
+        (_answer(403, "AccessDenied"), False),
+        (_answer(403, "InvalidAccessKeyId"), False),
+        (_answer(501, "NotImplemented"), False),
+    ],
+)
+def test_which_s3_failures_heal(failure: Exception, heals: bool) -> None:
+    """The table the queue's put-back rests on, for the failures a live server is slow to stage
+    (a read timeout takes 2 x 10 s; TLS needs certificates)."""
+    assert _heals(failure) == heals
 
 
 @pytest.fixture
