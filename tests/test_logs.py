@@ -1,10 +1,12 @@
-"""The worker's log as an operator's shipper reads it, from real `kiln worker` processes: under
+"""The worker's log as an operator's shipper reads it. From real `kiln worker` processes: under
 KILN_LOG_FORMAT=json every line on stdout and stderr is one JSON object (kiln's records, stdlib
 and RQ lines, the warm-shutdown warning), and a Redis outage leaves exactly one `redis_lost`
-and one `redis_regained` line, with how long Redis was gone."""
+and one `redis_regained` line, with how long Redis was gone. In a subprocess: library loggers,
+warnings and tracebacks in both formats. In process: the outage watch's rules."""
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
@@ -13,11 +15,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
+from structlog.testing import capture_logs
 
 from api_client import KilnClient, KilnJob
 from tests.conftest import ROOT
-from tests.workers import RedisServer, WorkerProcess, paced, wait_until
+from tests.workers import RedisServer, WorkerProcess, free_port, paced, wait_until
+from worker.pulse import RedisWatch, WatchedRetry, watch_connection
 
 OUTAGE_S = 4.0
 
@@ -143,6 +151,41 @@ def test_library_logs_warnings_and_tracebacks_are_json_lines_and_redacted() -> N
     assert console.returncode == 0, console.stderr
     assert "from diffusers" in console.stderr and "[diffusers.pipelines]" in console.stderr
     assert "s3cret" not in console.stdout + console.stderr
+
+
+def test_an_outage_is_logged_once_however_many_commands_and_threads_meet_it() -> None:
+    watch = RedisWatch()
+    with capture_logs() as logged:
+        watch.answered()  # nothing was lost: nothing to say
+        before = time.monotonic()
+        watch.failed(ConnectionError("refused"), before)
+        watch.failed(TimeoutError("timed out"), time.monotonic())  # the same outage
+        watch.answered()
+        watch.answered()
+        watch.failed(ConnectionError("late"), before)  # sent before Redis came back
+        assert watch.lost_at is None
+        watch.failed(ConnectionError("again"), time.monotonic())  # a new outage
+    assert [(e["event"], e.get("error")) for e in logged] == [
+        ("redis_lost", "ConnectionError: refused"),
+        ("redis_regained", None),
+        ("redis_lost", "ConnectionError: again"),
+    ]
+    assert 0 <= logged[1]["down_s"] < 5
+
+
+def test_a_watched_connection_keeps_its_retry_policy_and_reports_to_one_watch() -> None:
+    retry = Retry(ExponentialBackoff(cap=0.01, base=0.001), retries=2)
+    connection = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", retry=retry)
+    watch = watch_connection(connection)
+    assert watch_connection(connection) is watch  # a second Pulse finds the same watch
+    watched = connection.get_retry()
+    assert isinstance(watched, WatchedRetry) and watched.get_retries() == 2
+    copied = copy.deepcopy(watched)  # as redis-py makes each new connection's policy
+    assert isinstance(copied, WatchedRetry) and copied.watch is watch
+    with capture_logs() as logged, pytest.raises(RedisConnectionError):
+        connection.ping()  # nothing listens there: refused, retried twice, raised
+    assert [e["event"] for e in logged] == ["redis_lost"]
+    assert watch.lost_at is not None
 
 
 def test_a_redis_outage_leaves_one_lost_and_one_regained_line(

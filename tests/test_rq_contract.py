@@ -3,7 +3,8 @@ and writes rq's records by hand (worker/queue.py, worker/job.py, worker/executio
 pin to the tested line (pyproject.toml). rq changes these in minor releases (3.0 changed
 perform_job and maintain_heartbeats), so this file records each one as rq 2.12 has it: a
 signature (parameters and defaults), an attribute, or a name in Redis. A failure names the hook,
-where kiln uses it, and rq 2.12's value beside the installed rq's."""
+where kiln uses it, and rq 2.12's value beside the installed rq's. Last, the parts of redis-py's
+Retry that worker/pulse.py subclasses."""
 
 from __future__ import annotations
 
@@ -511,4 +512,29 @@ def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
                 missing.append(f"{ours.__name__}.{name} over {owner}.{name}")
     assert missing == [], "record rq 2.12's side of these in HOOKS or ATTRIBUTES: " + ", ".join(
         missing
+    )
+
+
+def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
+    """worker/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a line):
+    it copies the policy's private fields, wraps call_with_retry's first two parameters and
+    forwards the rest, and relies on each new connection deep-copying the client's policy."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry as RedisRetry
+
+    from worker.pulse import WatchedRetry, watch_connection
+
+    policy = RedisRetry(NoBackoff(), 3)
+    fields = [f for f in ("_backoff", "_retries", "_supported_errors") if not hasattr(policy, f)]
+    assert fields == [], f"redis-py's Retry no longer has {fields} (WatchedRetry copies them)"
+    found = list(inspect.signature(RedisRetry.call_with_retry).parameters)[:3]
+    assert found == ["self", "do", "fail"], (
+        f"redis-py changed Retry.call_with_retry, overridden by WatchedRetry (worker/pulse.py):\n"
+        f"  tested: (self, do, fail, ...)\n  now: {found}"
+    )
+    client = Redis(retry=policy)
+    watch = watch_connection(client)
+    connection = client.connection_pool.make_connection()
+    assert isinstance(connection.retry, WatchedRetry) and connection.retry.watch is watch, (
+        "a new pooled connection no longer takes (a copy of) the client's retry policy"
     )

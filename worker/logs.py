@@ -103,6 +103,7 @@ def configure(
     )
     handler = KilnHandler(sys.stderr)
     handler.setFormatter(formatter)
+    handler.addFilter(redactor)  # the message before anything reads it; the chain, the rest
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, KilnHandler)]:
         root.removeHandler(old)

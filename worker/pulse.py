@@ -33,7 +33,7 @@ class RedisWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.lost_at: float | None = None
-        self._regained_at = -math.inf
+        self.regained_at = -math.inf
 
     def failed(self, error: BaseException, attempt_started: float | None = None) -> None:
         """A command failed. One sent before Redis last came back (attempt_started, monotonic)
@@ -41,7 +41,7 @@ class RedisWatch:
         with self._lock:
             if self.lost_at is not None:
                 return
-            if attempt_started is not None and attempt_started < self._regained_at:
+            if attempt_started is not None and attempt_started < self.regained_at:
                 return
             self.lost_at = time.monotonic()
         events.warning("redis_lost", error=f"{type(error).__name__}: {error}")
@@ -54,7 +54,7 @@ class RedisWatch:
             if self.lost_at is None:
                 return
             moment = time.monotonic()
-            down_s, self.lost_at, self._regained_at = moment - self.lost_at, None, moment
+            down_s, self.lost_at, self.regained_at = moment - self.lost_at, None, moment
         events.info("redis_regained", down_s=round(down_s, 2))
 
 
