@@ -45,7 +45,6 @@ if not redis.call("ZSCORE", KEYS[1], ARGV[1]) then
     end
     return -1
 end
-redis.call("ZREM", KEYS[1], ARGV[1])
 local ttl = tonumber(ARGV[4])
 redis.call("HSET", KEYS[2], "status", "finished", "ended_at", ARGV[3])
 redis.call("ZADD", KEYS[3], ARGV[5], ARGV[2])
@@ -60,6 +59,9 @@ redis.call("HSET", KEYS[6], "state", "idle")
 redis.call("HDEL", KEYS[6], "current_job")
 redis.call("HINCRBY", KEYS[6], "successful_job_count", 1)
 redis.call("HINCRBYFLOAT", KEYS[6], "total_working_time", ARGV[6])
+-- The lease goes last: a write above that fails (a key of the wrong type) leaves it held, so
+-- the worker can move the key aside and run this again.
+redis.call("ZREM", KEYS[1], ARGV[1])
 return redis.call("SCARD", KEYS[5])
 """
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from redis import Redis
+from redis.exceptions import ResponseError
 from rq.exceptions import NoSuchJobError
 from rq.job import JOB_ID_PATTERN, Job, JobStatus
 from rq.queue import Queue
@@ -36,6 +37,8 @@ from api_client.webhooks import job_webhook_target, queue_webhook
 
 log = logging.getLogger(__name__)
 QUARANTINE_MAX = 1000
+KEY_ASIDE_PREFIX = "kiln:quarantine:key:"  # a key of the wrong type, renamed here
+KEY_ASIDE_TTL_S = 7 * 24 * 3600
 MAX_FIELDS = 40  # fields summarised per record; a hash of thousands of fields is cut here
 
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
@@ -234,6 +237,54 @@ def note_killer(conn: Redis, job_id: str, reason: str, queue: str | None) -> Ent
         pipe.execute()
     _trim(conn)
     log.error("job %s quarantined: %s", entry.job_id, entry.reason)
+    return entry
+
+
+def wrong_type(exc: BaseException) -> bool:
+    """Redis refused a command because a key holds another type than the command's (a client
+    with the kiln-client ACL may SET a queue or a job's event stream to a string)."""
+    return isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc)
+
+
+def repair_types(conn: Redis, expected: dict[str, str]) -> list[str]:
+    """Move aside every one of these keys whose type is not the one kiln keeps there (a missing
+    key is fine); the keys moved. One TYPE per key, in one round trip."""
+    names = list(expected)
+    with conn.pipeline(transaction=False) as pipe:
+        for key in names:
+            pipe.type(key)
+        found = [_text(kind) for kind in pipe.execute()]
+    moved = []
+    for key, kind in zip(names, found, strict=True):
+        if kind not in ("none", expected[key]):
+            move_key_aside(conn, key, f"held a {kind}; kiln keeps a {expected[key]} there")
+            moved.append(key)
+    return moved
+
+
+def move_key_aside(conn: Redis, key: str, reason: str) -> Entry:
+    """Rename a key kiln cannot use to KEY_ASIDE_PREFIX + key (kept KEY_ASIDE_TTL_S for the
+    operator to read) and note it in the quarantine as `key:<key>`, the way a bad job record
+    is moved aside, so that no key a client writes can stop a worker."""
+    aside = f"{KEY_ASIDE_PREFIX}{key}"
+    entry = Entry(
+        job_id=short(f"key:{key}"),
+        reason=short(f"{reason}: moved to {aside}", 1000),
+        at=time.time(),
+        fields={"moved_to": short(aside)},
+    )
+    with conn.pipeline() as pipe:
+        pipe.rename(key, aside)
+        pipe.expire(aside, KEY_ASIDE_TTL_S)
+        pipe.hset(keys.QUARANTINE_KEY, entry.job_id, json.dumps(entry.__dict__))
+        pipe.zadd(keys.QUARANTINE_ORDER_KEY, {entry.job_id: entry.at})
+        try:
+            pipe.execute()
+        except ResponseError as exc:  # gone, or moved by another worker, since its TYPE
+            log.warning("could not move key %s aside: %s", short(key), exc)
+            return entry
+    _trim(conn)
+    log.error("key %s quarantined: %s", short(key), entry.reason)
     return entry
 
 

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from functools import partial
@@ -64,6 +64,7 @@ from typing import Any, Literal
 from redis import Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker
@@ -84,7 +85,7 @@ from api_client.errors import short
 from api_client.schema import WorkerState
 from worker import device as dev
 from worker import events as job_events
-from worker import execution, metrics, quarantine
+from worker import execution, keytypes, metrics, quarantine
 from worker.errors import (
     FatalWorkerError,
     JobDeadlineExceeded,
@@ -245,7 +246,13 @@ class KilnWorker(SimpleWorker):
             except Exception as exc:
                 # rq tags a popped id it could not even make a Job of (not a job id at all).
                 job_id = getattr(exc, "job_id", None)
-                if job_id is None or isinstance(exc, REDIS_ERRORS):
+                if isinstance(exc, REDIS_ERRORS):
+                    raise
+                if quarantine.wrong_type(exc):  # a queue, or the popped job's hash, retyped
+                    moved = self.repair_keys(job_id)
+                    if job_id is None and moved:
+                        continue
+                if job_id is None:
                     raise
                 queue = getattr(exc, "queue", None)
                 reason = f"rq could not read it: {type(exc).__name__}: {exc}"
@@ -330,16 +337,20 @@ class KilnWorker(SimpleWorker):
         """Step 3, one round trip (worker/execution.py start): the job hash says started (RQ's
         fields), the execution takes the job's lease until its heartbeat lapses, the job leaves
         RQ's intermediate list, and its stop key is read (True: a cancel came while queued)."""
-        self.execution = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
+        self.execution = held = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
         self._state = WorkerStatus.BUSY
         self.cancelled.clear()
         self.lease_lost.clear()
         with self._running_lock:  # from here a stop-job command for it is taken
             self._running = job
-        try:
+
+        def send() -> Any:
             with self.connection.pipeline(transaction=False) as pipe:
-                execution.start(pipe, job, queue, self.execution, self, self.heartbeat_ttl_s)
-                *_, stop_asked = pipe.execute()
+                execution.start(pipe, job, queue, held, self, self.heartbeat_ttl_s)
+                return pipe.execute()[-1]
+
+        try:
+            stop_asked = self._retyped(job.id, send)
         except BaseException:
             # Redis gone for good (after the connection's minute of retries): the job stays in
             # the intermediate list, where RQ's maintenance fails it, as with RQ's own start.
@@ -376,15 +387,19 @@ class KilnWorker(SimpleWorker):
         """A success as RQ's readers see it (worker/execution.py), written only while this
         execution holds the job; then the jobs that depend on it are enqueued, as RQ does.
         False: the lease was lost and nothing was written."""
-        assert self.execution is not None
-        dependents = self._finisher(
-            job,
-            queue,
-            self.execution,
-            self,
-            job.get_result_ttl(self.default_result_ttl),
-            self.execution.created_at,
-            job.ended_at or now(),
+        held = self.execution
+        assert held is not None
+        dependents = self._retyped(
+            job.id,
+            lambda: self._finisher(
+                job,
+                queue,
+                held,
+                self,
+                job.get_result_ttl(self.default_result_ttl),
+                held.created_at,
+                job.ended_at or now(),
+            ),
         )
         if dependents is None:
             return False
@@ -459,11 +474,21 @@ class KilnWorker(SimpleWorker):
             job, held = self._running, self.execution
             if job is None or held is None:
                 return True
-            with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
-                execution.push_lease(pipe, job, held, self.heartbeat_ttl_s)
-                if look_for_stop:
-                    pipe.exists(keys.stop_key(job.id))
-                pushed, *stop_asked = pipe.execute()
+            try:
+                with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
+                    execution.push_lease(pipe, job, held, self.heartbeat_ttl_s)
+                    if look_for_stop:
+                        pipe.exists(keys.stop_key(job.id))
+                    pushed, *stop_asked = pipe.execute()
+            except ResponseError as exc:
+                if not quarantine.wrong_type(exc) or not self.repair_keys(job.id):
+                    raise
+                # The registry a client retyped is gone with every lease in it: take ours again.
+                self.connection.zadd(
+                    job.started_job_registry.key,
+                    {held.composite_key: execution.lease_score(self.heartbeat_ttl_s)},
+                )
+                return True
             if not pushed and not self.lease_lost.is_set():
                 log.warning("job %s: %s", job.id, LEASE_LOST)
                 self.lease_lost.set()  # the render stops at its next step or phase
@@ -511,10 +536,7 @@ class KilnWorker(SimpleWorker):
         if self.redis_unsettled():
             return
         stamp = current_timestamp()
-        with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
-            for queue in self.queues:
-                pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
-            found = pipe.execute()
+        found = self._retyped(None, partial(self._lapsed_leases, stamp))
         if self.redis_unsettled():  # that read waited out an outage: every lease looks lapsed
             return
         lapsed = [queue for queue, due in zip(self.queues, found, strict=True) if due]
@@ -533,6 +555,29 @@ class KilnWorker(SimpleWorker):
                 registry.cleanup(stamp)
             finally:
                 queue.release_maintenance_lock()
+
+    def _lapsed_leases(self, stamp: float) -> list[Any]:
+        with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
+            for queue in self.queues:
+                pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
+            return list(pipe.execute())
+
+    def repair_keys(self, job_id: str | None = None) -> list[str]:
+        """Move aside this worker's keys (and job_id's) that a client overwrote with another
+        type (worker/keytypes.py); the keys moved."""
+        expected = keytypes.shared([q.name for q in self.queues], self.key)
+        if job_id is not None:
+            expected |= keytypes.of_job(job_id)
+        return quarantine.repair_types(self.connection, expected)
+
+    def _retyped(self, job_id: str | None, call: Callable[[], Any]) -> Any:
+        """call(), and once more if it met a key of the wrong type that was then moved aside."""
+        try:
+            return call()
+        except ResponseError as exc:
+            if not quarantine.wrong_type(exc) or not self.repair_keys(job_id):
+                raise
+        return call()
 
     @contextmanager
     def _watching_redis(self) -> Iterator[None]:
@@ -604,7 +649,7 @@ class KilnWorker(SimpleWorker):
         self.publisher.flush(pipe, everything=True)
         self._published_resident = resident
         if conn is None:
-            pipe.execute()
+            self._retyped(None, pipe.execute)
 
     def _after_job(
         self, job: Job, queue: Queue, outcome: Outcome, record: TimingRecord | None
@@ -634,6 +679,13 @@ class KilnWorker(SimpleWorker):
             # A success not committed is re-run once its lease lapses: answered from the store,
             # not rendered again (worker/render.py step 2), and recorded by that worker.
             log.warning("could not record the end of job %s: %s", job.id, exc)
+        except ResponseError as exc:
+            # A key retyped by a client: moved aside, the job's last events are lost (its status
+            # is written), and the next job finds its keys in order.
+            if not quarantine.wrong_type(exc):
+                raise
+            log.warning("job %s: its last events were not written: %s", job.id, exc)
+            self.repair_keys(job.id)
         if record is not None and outcome == "lost":
             record.status, record.error = "stopped", f"job {job.id}: {LEASE_LOST}"
             renderer.publish(record)
@@ -689,6 +741,9 @@ class KilnWorker(SimpleWorker):
 
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
     """A worker named as its renderer, listening on the queues of the models it serves."""
+    # A key a client retyped would crash this worker at every start: moved aside first.
+    names = [keys.queue_name(m) for m in models]
+    quarantine.repair_types(connection, keytypes.shared(names, f"rq:worker:{renderer.worker_name}"))
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
     # Where `rq info` and RQ's Queue.all() find queues (kiln's client does not register them).
     connection.sadd(Queue.redis_queues_keys, *[f"rq:queue:{keys.queue_name(m)}" for m in models])

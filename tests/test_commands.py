@@ -1,0 +1,75 @@
+"""What reaches a worker over RQ's pub/sub channel, which any client with the documented ACL may
+publish to: only a stop-job for the running job is taken, at the next step or phase boundary;
+RQ's shutdown and kill-horse and anything malformed are ignored, and the listener lives on."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+from rq.command import send_kill_horse_command, send_shutdown_command
+
+from api_client import KilnClient, RenderFailed
+from tests.fixtures.cancels_in_phase import cancel_in
+from tests.helpers import make_renderer, records
+from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait_until
+from worker.queue import make_worker
+
+
+def test_no_client_command_stops_a_worker(
+    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    manifests = slow_manifests(tmp_path / "manifests")
+    env = {**kiln_env, "KILN_MANIFESTS": str(manifests)}
+    client = KilnClient(connection=redis_conn, manifests_dir=manifests)
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", fake=paced(0.2))
+    try:
+        worker.wait_ready(redis_conn)
+        running = client.submit({"model": "tiny-sd15", "prompt": "x", "steps": 40, "seed": 1})
+        wait_until(lambda: running.status() == "started", 60, "the job to start")
+        channel = f"rq:pubsub:{worker.name}"
+        send_shutdown_command(redis_conn, worker.name)
+        send_kill_horse_command(redis_conn, worker.name)
+        redis_conn.publish(channel, b"\xff\x00 not json")
+        redis_conn.publish(channel, json.dumps(["not", "an", "object"]))
+        redis_conn.publish(channel, json.dumps({"command": "stop-job", "job_id": "someone-else"}))
+        wait_until(lambda: worker.output().count("ignored") >= 5, 30, "the five messages logged")
+        assert worker.proc.poll() is None, worker.output()
+        assert running.status() == "started"
+        # The listener lives on: a real cancel still stops the running job within a second.
+        cancelled_at = time.monotonic()
+        running.cancel()
+        wait_until(lambda: running.status() == "stopped", 30, "the cancel to stop the job")
+        assert time.monotonic() - cancelled_at < 5
+        assert worker.proc.poll() is None
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("phase", "where"),
+    [("load", "after loading"), ("decode", "after decode"), ("save", "after saving its images")],
+)
+def test_a_cancel_during_a_phase_is_taken_at_the_next_boundary(
+    redis_conn: Redis, settings: Any, monkeypatch: pytest.MonkeyPatch, phase: str, where: str
+) -> None:
+    client = KilnClient(connection=redis_conn, manifests_dir=settings.manifests)
+    job = client.submit({"model": "tiny-sd15", "prompt": "x", "steps": 2, "seed": 3})
+    worker = make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    cancel_in(monkeypatch, worker, phase)
+    worker.work(burst=True)
+    assert job.status() == "stopped"
+    with pytest.raises(RenderFailed, match=f"stopped on request {where}"):
+        job.wait(timeout=5)
+    (record,) = [r for r in records(settings.timings_log) if r.job_id == job.id]
+    assert record.status == "stopped" and where in (record.error or "")
+    # A stopped job leaves no files behind, whatever phase it stopped after.
+    job_dir = settings.output_dir / job.id
+    assert not job_dir.exists() or not [p for p in job_dir.iterdir() if p.is_file()]
+
+
+del SLOW_MODEL  # the slow model's manifests come with slow_manifests()
