@@ -4,8 +4,6 @@ HTTPS url (no S3 credentials needed), a file:// uri or path, or s3:// with boto3
 from __future__ import annotations
 
 import hashlib
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -23,6 +21,8 @@ class FetchFailed(KilnError):
 
 def fetch_image(image: ImageFile, timeout: float = FETCH_TIMEOUT_S) -> bytes:
     """The image's bytes, checked against its sha256; FetchFailed naming where it looked."""
+    import urllib.error  # with urllib.request (and ssl) on first use, not at `import api_client`
+
     tried: list[str] = []
     for where, read in _sources(image, timeout):
         try:
@@ -56,6 +56,8 @@ def _sources(image: ImageFile, timeout: float) -> list[tuple[str, Any]]:
 
 
 def _http(url: str, timeout: float) -> bytes:
+    import urllib.request
+
     if not url.startswith(("https://", "http://")):
         raise FetchFailed(f"url scheme is not http(s): {url[:40]!r}")
     with urllib.request.urlopen(url, timeout=timeout) as response:
