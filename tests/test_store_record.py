@@ -1,7 +1,9 @@
-"""One timing record per job, also when a worker dies between finishing a job's files and telling
-Redis. Real `kiln worker` processes SIGKILL themselves at two points (one fake each): right after
-result.json, before the timing record; and after the record, before Redis heard of the job. A
-third worker takes both jobs over and answers them from the store."""
+"""One timing record per job, also when a worker dies between finishing a job's files and
+committing the job's end in Redis. Real `kiln worker` processes SIGKILL themselves at two points
+(one fake each): the instant result.json is written, and as the job's end is committed (_finish).
+A done job's record is published only after that commit, so neither dead worker wrote one; a
+third worker takes both jobs over, answers them from the store and writes one record each, with
+the phases of the render that wrote result.json."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from tests.conftest import MANIFESTS
 from tests.helpers import records
 from tests.workers import DIES_AFTER_SAVE, Fake, WorkerProcess, wait_until
 
-# Dies the instant result.json is on disk: the render's timing record was never written.
+# Dies the instant result.json is on disk, before the job's end is committed.
 DIES_AFTER_RESULT = Fake("tests.fixtures.dies_after_result_worker")
-# DIES_AFTER_SAVE dies after the job's record was written, before Redis heard it finished.
+# DIES_AFTER_SAVE dies as it commits the job's end (KilnWorker._finish).
 
 REQUEST = {"prompt": "a fox", "steps": 2, "seed": 3}
 
@@ -45,32 +47,26 @@ def test_a_job_answered_from_the_store_has_exactly_one_record(
         for proc in (early, late):
             assert proc.wait(timeout=120) == -9, proc.output()
         out = Path(settings.output_dir)
-        assert (out / before.id / "result.json").is_file()
-        assert [r.job_id for r in records(settings.timings_log)] == [after.id]
+        for job in (before, after):
+            assert (out / job.id / "result.json").is_file()
+        assert records(settings.timings_log) == []  # neither committed, so neither published
         rescuer = WorkerProcess(
             kiln_env, tmp_path / "rescuer.log", "--models", "tiny-sd15,tiny-sdxl"
         )
         rescuer.wait_ready(redis_conn)
         for job in (before, after):
             assert job.wait(timeout=120).images
-        wait_until(lambda: len(records(settings.timings_log)) >= 2, 10, "the rescuer's record")
-        by_job = {
-            job.id: [r for r in records(settings.timings_log) if r.job_id == job.id]
-            for job in (before, after)
-        }
-        # Killed before its record: the rescuer writes the render's own record, recovered from
-        # result.json, saying it was answered from the store; its phases are the render's.
-        (recovered,) = by_job[before.id]
-        shown = recovered.model_dump_json(include={"worker", "answered_from", "timings"})
-        print(f"\nrecovered from result.json: {shown}")
-        assert recovered.answered_from == "store" and recovered.status == "done"
-        assert recovered.worker == early.name
-        assert recovered.timings.denoise > 0 and recovered.timings.total > 0
-        assert recovered.timings == before.result().timings  # type: ignore[union-attr]
-        # Killed after its record: the rescuer answers from the store and writes no second one.
-        (rendered,) = by_job[after.id]
-        assert rendered.answered_from == "render" and rendered.worker == late.name
-        assert rendered.timings.denoise > 0
+        wait_until(lambda: len(records(settings.timings_log)) >= 2, 10, "the rescuer's records")
+        # Each job's one record: the rescuer's, saying it was answered from the store and who
+        # rendered it; its phases are the render's, recovered from result.json.
+        for job, renderer in ((before, early), (after, late)):
+            (recovered,) = [r for r in records(settings.timings_log) if r.job_id == job.id]
+            shown = recovered.model_dump_json(include={"worker", "rendered_by", "answered_from"})
+            print(f"\nrecovered from result.json: {shown}")
+            assert recovered.answered_from == "store" and recovered.status == "done"
+            assert recovered.worker == rescuer.name and recovered.rendered_by == renderer.name
+            assert recovered.timings.denoise > 0 and recovered.timings.total > 0
+            assert recovered.timings == job.result().timings  # type: ignore[union-attr]
     finally:
         for proc in (early, late, rescuer):
             if proc is not None:
