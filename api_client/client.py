@@ -1,5 +1,8 @@
 """KilnClient: validate a request against published manifests and enqueue it; the models and
-workers that serve them. Following one job is api_client.job.KilnJob."""
+workers that serve them. Following one job is api_client.job.KilnJob.
+
+redis and rq load on first use, not at `import api_client`: a backend pays for them in the
+processes that talk to Redis only (redis-py imports redis.asyncio with itself)."""
 
 from __future__ import annotations
 
@@ -10,18 +13,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from redis import Redis
-from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
-from rq.job import Job
-from rq.serializers import JSONSerializer
-from rq.utils import now as rq_now
+from typing import TYPE_CHECKING, Any
 
 from api_client import events, keys
 from api_client.connection import connect
-from api_client.enqueue import ENQUEUE, enqueue_new
+from api_client.enqueue import ENQUEUE, QUEUED_TTL_S, RESULT_TTL_S, enqueue_new
 from api_client.errors import Problem, RequestRejected
 from api_client.eta import live_workers
 from api_client.fetch import fetch_image
@@ -36,9 +32,11 @@ from api_client.schema import (
     WorkerState,
 )
 
+if TYPE_CHECKING:
+    from redis import Redis
+
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 JOB_TIMEOUT_S = 600
-RESULT_TTL_S = 7 * 24 * 3600
 # A job whose worker died (SIGKILL, lost machine) is re-queued this many times, then failed.
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
@@ -69,18 +67,24 @@ class KilnClient:
         *,
         connection: Redis | None = None,
         manifests_dir: str | Path | None = None,
+        events_retention_s: float = events.EVENTS_RETENTION_S,
     ) -> None:
+        """events_retention_s: how long the model queues' event streams keep an event (the
+        workers' KILN_EVENTS_RETENTION_S; each writer trims them to its own)."""
         self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
+        self.events_retention_s = events_retention_s
         self._published: tuple[float, dict[str, Manifest]] | None = None
         self._enqueue = self.connection.register_script(ENQUEUE)
 
     @classmethod
     def from_env(cls) -> KilnClient:
-        """KILN_REDIS_URL and KILN_MANIFESTS, the only two settings a client needs."""
+        """KILN_REDIS_URL, KILN_MANIFESTS and KILN_EVENTS_RETENTION_S: all a client reads."""
+        retention = os.environ.get("KILN_EVENTS_RETENTION_S")
         return cls(
             os.environ.get("KILN_REDIS_URL", DEFAULT_REDIS_URL),
             manifests_dir=os.environ.get("KILN_MANIFESTS", "manifests"),
+            events_retention_s=float(retention) if retention else events.EVENTS_RETENTION_S,
         )
 
     def manifests(self) -> dict[str, Manifest]:
@@ -122,7 +126,8 @@ class KilnClient:
         self, model: str, after: str = "$", timeout: float | None = None
     ) -> Iterator[JobEvent]:
         """Every job event of one model's queue, from one place: after="$" for new ones only,
-        "0" for all that the capped stream still holds, or an event id to resume."""
+        "0" for all that the stream still holds (its retention's worth), or an event id to
+        resume."""
         return events.follow(
             self.connection, keys.queue_events_key(model), after, timeout, until_terminal=False
         )
@@ -136,7 +141,12 @@ class KilnClient:
         timeout_s: int = JOB_TIMEOUT_S,
     ) -> KilnJob:
         """Validate, then enqueue on the model's queue. The same job_id twice renders once;
-        a job_id that already names a different request is refused (RequestRejected)."""
+        a job_id that already names a different request, or a request for a model whose queue
+        holds MAX_QUEUED jobs, is refused (RequestRejected)."""
+        from rq import Queue, Retry
+        from rq.serializers import JSONSerializer
+        from rq.utils import now as rq_now
+
         parsed = RenderRequest.parse(request)
         resolved = self.validate(parsed)
         if job_id is not None and not JOB_ID.fullmatch(job_id):
@@ -156,18 +166,21 @@ class KilnClient:
             timeout=timeout_s,
             result_ttl=RESULT_TTL_S,
             failure_ttl=RESULT_TTL_S,
+            ttl=QUEUED_TTL_S,
             description=f"{resolved.model}: {resolved.prompt[:60]}",
         )
         job.enqueued_at = rq_now()
         queued = JobEvent(kind="queued", job_id=job_id, model=resolved.model, at=events.now())
-        after = enqueue_new(self._enqueue, queue.key, job, queued, at_front)
-        if after is None:
+        after = enqueue_new(
+            self._enqueue, queue.key, job, queued, at_front, self.events_retention_s
+        )
+        if after is None and given:
             # Already submitted (idempotent: the same job back), or submitted by someone else
             # between the check above and the script: check again.
-            if given:
-                self._same_request(job_id, parsed, resolved)
-            return KilnJob(job_id, self.connection)
-        return KilnJob(job_id, self.connection, after=after)
+            self._same_request(job_id, parsed, resolved)
+        return KilnJob(
+            job_id, self.connection, after=after, events_retention_s=self.events_retention_s
+        )
 
     def _same_request(
         self, job_id: str, parsed: RenderRequest, resolved: RenderRequest
@@ -175,6 +188,10 @@ class KilnClient:
         """The request to enqueue under job_id, or RequestRejected when the id already names a
         different one in Redis. A request that leaves the seed to chance takes the queued job's
         seed, so resubmitting it is the same job, not a conflict."""
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
         try:
             existing = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
             queued = existing.kwargs.get("request") if isinstance(existing.kwargs, dict) else None
@@ -198,7 +215,7 @@ class KilnClient:
         return resolved
 
     def job(self, job_id: str) -> KilnJob:
-        return KilnJob(job_id, self.connection)
+        return KilnJob(job_id, self.connection, events_retention_s=self.events_retention_s)
 
     def models(self) -> list[ModelInfo]:
         """Published manifests with measured timing fits and the workers serving each model."""

@@ -1,69 +1,170 @@
 """ETAs from what workers measured: each model's timing fit (fixed + steps * per_step seconds
-per image, by size, published in kiln:fits) applied to the jobs ahead of a job in its queue."""
+per image, by size, published in kiln:fits) applied to the jobs ahead of a job in its queue.
+
+An ETA only reads, and reads a bounded amount: the job's place in its queue by LPOS, a few fields
+(HMGET) of at most AHEAD_READ queued jobs and of the running ones; with more jobs ahead than that,
+the rest are counted at the mean of those read. It never goes through RQ's Job or registries:
+their readers run RQ's clean-up (StartedJobRegistry.get_job_ids() re-queues abandoned jobs and
+imports the failure callbacks their records name), which is the workers' job, under their rules.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+import zlib
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, cast
-
-from redis import Redis
-from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
-from rq.serializers import JSONSerializer
+from typing import TYPE_CHECKING, Any, cast
 
 from api_client import keys
 from api_client.schema import TimingFit, WorkerState
 
-ENDED = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
+if TYPE_CHECKING:
+    from redis import Redis
+
+AHEAD_READ = 200  # queued jobs read per ETA; the rest ahead are counted at their mean
+ENDED = ("finished", "failed", "stopped", "canceled")
+FIELDS = ("status", "origin", "data", "started_at")
+MAX_DATA_BYTES = 1 << 20  # a record's data is inflated this far at most (a zlib bomb stops here)
 
 
-def job_eta(connection: Redis, job: Job) -> float | None:
+@dataclass(frozen=True)
+class JobSummary:
+    """The few fields of a job hash an ETA needs. request is None when the record cannot be read
+    as a kiln job: a worker refuses such a job at once, so it costs no time ahead of others."""
+
+    id: str
+    status: str
+    origin: str
+    request: dict[str, Any] | None
+    started_at: datetime | None
+
+
+def read_jobs(connection: Redis, job_ids: list[str]) -> list[JobSummary | None]:
+    """Each job's summary (None where its hash is gone), in one round trip."""
+    if not job_ids:
+        return []
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(keys.rq_job_key(job_id), FIELDS)
+        rows: list[list[bytes | None]] = pipe.execute()
+    return [_summary(job_id, row) for job_id, row in zip(job_ids, rows, strict=True)]
+
+
+def job_eta(connection: Redis, job: JobSummary) -> float | None:
     """Seconds until job's result is expected: the work ahead of it (queued before it, and
     running now) shared among the workers serving its model, then its own render. 0 once the
     job ended; None while a model and size in play has no measured fit yet."""
-    status = job.get_status(refresh=False)
-    if status in ENDED:
+    if job.status in ENDED:
         return 0.0
-    fits = {_text(k): TimingFit.model_validate_json(v) for k, v in _hgetall(connection).items()}
+    queue_key = keys.rq_queue_key(job.origin)
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.FITS_KEY)
+        pipe.lpos(queue_key, job.id)
+        pipe.llen(queue_key)
+        pipe.lrange(queue_key, 0, AHEAD_READ - 1)
+        # Live executions only: lapsed ones are abandoned jobs, the workers' sweep's to recover.
+        live = f"({time.time()}"
+        pipe.zrangebyscore(keys.RQ_STARTED_PREFIX + job.origin, live, "+inf", 0, AHEAD_READ)
+        raw_fits, position, length, head, executions = pipe.execute()
+    fits = {_text(k): TimingFit.model_validate_json(v) for k, v in raw_fits.items()}
     own = _estimate(job, fits)
-    if own is None:
+    if own is None or job.status == "started":
+        return None if own is None else _remaining(job, own)
+    ahead = position if position is not None else length  # not in the list: behind them all
+    sample = [_text(i) for i in head[:ahead]]
+    # "<job id>:<execution id>"; a worker may take this job between the reads: never count it.
+    running = [_text(e).rsplit(":", 1)[0] for e in executions]
+    running = [i for i in running if i != job.id]
+    summaries = read_jobs(connection, [*sample, *running])
+    queued_s = _work(summaries[: len(sample)], fits, started=False)
+    running_s = _work(summaries[len(sample) :], fits, started=True)
+    if queued_s is None or running_s is None:
         return None
-    if status == JobStatus.STARTED:
-        return _remaining(job, own)
-    queue_key = f"rq:queue:{job.origin}"
-    queued = [_text(i) for i in cast(list[bytes], connection.lrange(queue_key, 0, -1))]
-    ahead = queued[: queued.index(job.id)] if job.id in queued else queued
-    running = StartedJobRegistry(job.origin, connection=connection).get_job_ids()
-    # A worker may take this job between the reads above: never count it as ahead of itself.
-    ids = [other for other in ahead + running if other != job.id]
-    others = Job.fetch_many(ids, connection=connection, serializer=JSONSerializer)
-    work = 0.0
-    for other in others:
-        if other is None:
-            continue  # ended and expired between the two reads
-        seconds = _estimate(other, fits)
+    if sample and ahead > len(sample):
+        queued_s += (ahead - len(sample)) * queued_s / len(sample)
+    return (queued_s + running_s) / max(_workers_serving(connection, job.origin), 1) + own
+
+
+def _work(jobs: list[JobSummary | None], fits: dict[str, TimingFit], started: bool) -> float | None:
+    """Seconds of work these jobs hold (what is left of started ones); None if one has no fit."""
+    total = 0.0
+    for job in jobs:
+        if job is None:
+            continue  # ended and expired between the reads
+        seconds = _estimate(job, fits)
         if seconds is None:
             return None
-        started = other.get_status(refresh=False) == JobStatus.STARTED
-        work += _remaining(other, seconds) if started else seconds
-    return work / max(_workers_serving(connection, job.origin), 1) + own
+        total += _remaining(job, seconds) if started else seconds
+    return total
 
 
-def _estimate(job: Job, fits: dict[str, TimingFit]) -> float | None:
-    request: dict[str, Any] = job.kwargs.get("request") or {}
+def _estimate(job: JobSummary, fits: dict[str, TimingFit]) -> float | None:
+    request = job.request
+    if request is None:
+        return 0.0
+    try:
+        width, height = int(request.get("width") or 0), int(request.get("height") or 0)
+        steps, images = int(request.get("steps") or 0), int(request.get("num_images") or 1)
+    except (TypeError, ValueError):
+        return 0.0  # not a request kiln renders: refused at once
     model = job.origin.removeprefix(keys.QUEUE_PREFIX)
-    fit = fits.get(keys.fit_field(model, request.get("width") or 0, request.get("height") or 0))
-    if fit is None:
-        return None
-    return fit.eta(int(request.get("steps") or 0), int(request.get("num_images") or 1))
+    fit = fits.get(keys.fit_field(model, width, height))
+    return None if fit is None else fit.eta(steps, images)
 
 
-def _remaining(job: Job, seconds: float) -> float:
+def _remaining(job: JobSummary, seconds: float) -> float:
     started = job.started_at
     if started is None:
         return seconds
     aware = started if started.tzinfo else started.replace(tzinfo=timezone.utc)
     return max(seconds - (datetime.now(timezone.utc) - aware).total_seconds(), 0.0)
+
+
+def _summary(job_id: str, row: list[bytes | None]) -> JobSummary | None:
+    status, origin, data, started = row
+    if status is None and origin is None and data is None:
+        return None
+    return JobSummary(
+        id=job_id,
+        status=_text(status or b""),
+        origin=_text(origin or b""),
+        request=_request_of(data),
+        started_at=_date(started),
+    )
+
+
+def _request_of(data: bytes | None) -> dict[str, Any] | None:
+    """The request in RQ's data field (zlib-compressed JSON [func, instance, args, kwargs]),
+    read as data only: no name in it is ever looked up."""
+    if not data:
+        return None
+    try:
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(data, MAX_DATA_BYTES)
+        if inflater.unconsumed_tail:
+            return None
+    except zlib.error:
+        raw = data  # rq stores uncompressed data too, and reads both
+    try:
+        payload = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[3], dict)):
+        return None
+    request = payload[3].get("request")
+    return request if isinstance(request, dict) else None
+
+
+def _date(value: bytes | None) -> datetime | None:
+    """RQ's utcformat ("...T05:10:55.123456Z"); Python 3.10's fromisoformat needs +00:00."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(_text(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def _workers_serving(connection: Redis, queue: str) -> int:
@@ -78,10 +179,6 @@ def live_workers(connection: Redis) -> list[WorkerState]:
         return []
     states = cast(list[bytes | None], connection.mget([keys.worker_key(n) for n in names]))
     return [WorkerState.model_validate_json(raw) for raw in states if raw]
-
-
-def _hgetall(connection: Redis) -> dict[Any, Any]:
-    return connection.hgetall(keys.FITS_KEY)  # type: ignore[return-value]
 
 
 def _text(value: bytes | str) -> str:

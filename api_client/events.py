@@ -1,50 +1,65 @@
-"""Job events in Redis Streams: one capped stream per job (with a TTL) and one capped stream per
-model queue, written by client (queued, canceled) and worker (the rest), read with XREAD BLOCK.
+"""Job events in Redis Streams: one capped stream per job (with a TTL) and one stream per model
+queue trimmed by age, written by client (queued, canceled) and worker (the rest), read with XREAD
+BLOCK.
 
 The queue stream carries each job's lifecycle (queued, started, done, failed, stopped), not its
-progress or previews: following a whole queue stays cheap, and a job costs fewer commands."""
+progress or previews: following a whole queue stays cheap, and a job costs fewer commands. Each
+write to it trims it with XADD MINID ~ (now - retention), by the writer's clock (a skew of seconds
+is noise against a day). `~` lets Redis drop whole stream nodes only, so the events of the one node
+that straddles the cut (stream-node-max-entries 100 / max-bytes 4096 by default) outlive it a while:
+a queue stream holds its retention's events and at most one node more, however busy the queue."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
-
-from redis import Redis
+from typing import TYPE_CHECKING, Any
 
 from api_client import keys
 from api_client.schema import JobEvent, Progress
 
+if TYPE_CHECKING:
+    from redis import Redis
+
 JOB_STREAM_MAXLEN = 200  # a job writes a few dozen events at most (progress is throttled)
-QUEUE_STREAM_MAXLEN = 10_000  # about the last few thousand jobs of a model
+EVENTS_RETENTION_S = 24 * 3600  # the queue streams' default (KILN_EVENTS_RETENTION_S)
 EVENTS_TTL_S = 7 * 24 * 3600  # from the job's end, as long as its result is kept
 BLOCK_SLICE_S = 2.0  # a blocking read wakes at least this often to check the job's status
 FIELD = b"event"
 QUEUE_KINDS = ("queued", "started", "done", "failed", "stopped")
 
 
-def add_events(pipe: Any, events: list[JobEvent], expire: bool = True) -> None:
-    """Queue XADDs for each event (job stream, and its model's stream for lifecycle events) and,
-    with expire, set the job stream's TTL, on a pipeline the caller executes: one round trip.
-    A stream lives as long as its job: the TTL is set when the job ends (worker, cancel,
-    quarantine), as RQ sets the job hash's."""
+def queue_minid(retention_s: float) -> str:
+    """The oldest stream id a queue stream keeps: events older than retention_s are trimmed."""
+    return str(max(int((time.time() - retention_s) * 1000), 0))
+
+
+def add_events(
+    pipe: Any,
+    events: list[JobEvent],
+    expire: bool = True,
+    retention_s: float = EVENTS_RETENTION_S,
+) -> None:
+    """Queue XADDs for each event (job stream, and its model's stream for lifecycle events, that
+    one trimmed to retention_s) and, with expire, set the job stream's TTL, on a pipeline the
+    caller executes: one round trip. A stream lives as long as its job: it gets EVENTS_TTL_S when
+    the job ends (worker, cancel, quarantine), as RQ sets the job hash's."""
+    minid = queue_minid(retention_s)
     for event in events:
         body = event.model_dump_json(exclude={"id"}, exclude_none=True)
         pipe.xadd(keys.events_key(event.job_id), {FIELD: body}, maxlen=JOB_STREAM_MAXLEN)
         if event.model and event.kind in QUEUE_KINDS:
             pipe.xadd(
-                keys.queue_events_key(event.model),
-                {FIELD: body},
-                maxlen=QUEUE_STREAM_MAXLEN,
-                approximate=True,
+                keys.queue_events_key(event.model), {FIELD: body}, minid=minid, approximate=True
             )
     for job_id in {event.job_id for event in events} if expire else ():
         pipe.expire(keys.events_key(job_id), EVENTS_TTL_S)
 
 
-def publish(conn: Redis, events: list[JobEvent]) -> None:
+def publish(conn: Redis, events: list[JobEvent], retention_s: float = EVENTS_RETENTION_S) -> None:
+    """Write ended jobs' events in one round trip (see add_events)."""
     with conn.pipeline(transaction=False) as pipe:
-        add_events(pipe, events)
+        add_events(pipe, events, retention_s=retention_s)
         pipe.execute()
 
 

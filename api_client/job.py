@@ -1,5 +1,6 @@
 """KilnJob: a handle on one submitted job (status, progress, events, wait, download, eta,
-cancel), reading Redis on every call and importing no torch."""
+cancel), reading Redis on every call and importing no torch. rq is imported where a call reads
+a job through it, so `import api_client` does not load it (tests/test_client_import.py)."""
 
 from __future__ import annotations
 
@@ -9,38 +10,49 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-from redis import Redis
-from redis.exceptions import NoPermissionError
-from rq.command import send_command
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
+from typing import TYPE_CHECKING, Any
 
 from api_client import events, keys
+from api_client.cancel import CANCELABLE, cancel_queued
 from api_client.errors import JobTimeout, RenderFailed, UnknownJob
-from api_client.eta import job_eta
+from api_client.eta import job_eta, read_jobs
 from api_client.fetch import fetch_image
 from api_client.schema import JobError, JobEvent, Progress, RenderResult
 
+if TYPE_CHECKING:
+    from redis import Redis
+    from rq.job import Job
+
 STOP_TTL_S = 24 * 3600
+ENDED_BADLY = ("failed", "stopped", "canceled")
 
 
 class KilnJob:
     """A handle on one submitted job; cheap to make, reads Redis on every call."""
 
-    def __init__(self, job_id: str, connection: Redis, after: str | None = None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        connection: Redis,
+        after: str | None = None,
+        *,
+        events_retention_s: float = events.EVENTS_RETENTION_S,
+    ) -> None:
         self.id = job_id
         self._connection = connection
         # The stream id of the job's queued event, when this handle made it (submit): the job
         # exists, and wait() reads its events from there.
         self._after = after
+        self._retention_s = events_retention_s  # of the queue stream a cancel writes to
 
     def __repr__(self) -> str:
         return f"KilnJob({self.id!r})"
 
     def _fetch(self) -> Job:
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
         try:
             return Job.fetch(self.id, connection=self._connection, serializer=JSONSerializer)
         except NoSuchJobError:
@@ -53,8 +65,7 @@ class KilnJob:
 
     def status(self) -> str:
         """queued, started, finished, failed, stopped or canceled (RQ's names)."""
-        status = self._fetch().get_status(refresh=False)
-        return str(status.value if isinstance(status, JobStatus) else status)
+        return _status(self._fetch())
 
     def progress(self) -> Progress | None:
         """Where the running job is, from its newest progress and preview events since it last
@@ -70,14 +81,14 @@ class KilnJob:
         return self._outcome(job)
 
     def _outcome(self, job: Job) -> RenderResult | None:
-        status = job.get_status(refresh=False)
-        if status == JobStatus.FINISHED:
+        status = _status(job)
+        if status == "finished":
             return RenderResult.model_validate(stored_result(job))
-        if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+        if status in ENDED_BADLY:
             raw = job.get_meta(refresh=False).get("error")
             error = JobError.model_validate(raw) if raw else None
             message = error.message if error else _last_line(job.latest_result())
-            raise RenderFailed(self.id, message or str(status.value), status=str(status.value))
+            raise RenderFailed(self.id, message or status, status=status)
         return None
 
     def wait(self, timeout: float = 600.0, poll: float = events.BLOCK_SLICE_S) -> RenderResult:
@@ -132,7 +143,11 @@ class KilnJob:
     def eta(self) -> float | None:
         """Seconds until the result is expected, counting the jobs ahead of it in its queue and
         each one's measured fit (see api_client.eta); None until the sizes in play have fits."""
-        return job_eta(self._connection, self._fetch())
+        [job] = read_jobs(self._connection, [self.id])
+        if job is None:
+            self._fetch()  # says why there is no job: quarantined, never submitted, expired
+            return None  # submitted under this id a moment ago: no estimate yet
+        return job_eta(self._connection, job)
 
     def cancel(self) -> str:
         """Queued: removed from its queue. Running: stopped at the next denoise step, not retried.
@@ -141,23 +156,26 @@ class KilnJob:
         """
         # The stop key first: if a worker takes the job between our read and the cancel below,
         # it still sees the key (before loading, or within its worker's next state beat).
-        self._connection.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
-        job = self._fetch()
-        status = job.get_status(refresh=False)
-        if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
-            with contextlib.suppress(InvalidJobOperation):  # cancelled twice: already done
-                job.cancel()
-            model = job.origin.removeprefix(keys.QUEUE_PREFIX) if job.origin else None
-            stopped = JobEvent(
-                kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
-            )
-            events.publish(self._connection, [stopped])
-        elif status == JobStatus.STARTED and job.worker_name:
+        with self._connection.pipeline(transaction=False) as pipe:
+            pipe.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
+            pipe.hmget(keys.rq_job_key(self.id), ["status", "origin", "worker_name"])
+            _, (raw_status, origin, worker) = pipe.execute()
+        if raw_status is None:
+            # No job: status() says why. One submitted under this id since has the stop key.
+            return self.status()
+        status = _text(raw_status)
+        if status in CANCELABLE:
+            seen = cancel_queued(self._connection, self.id, _text(origin or b""), self._retention_s)
+            status = seen or status
+        if status == "started" and worker:
+            from redis.exceptions import NoPermissionError
+            from rq.command import send_command
+
             # RQ's stop-job command reaches the worker at once; an ACL without PUBLISH on
             # rq:pubsub:* leaves the stop key, which the worker reads every 10 s.
             with contextlib.suppress(NoPermissionError):
-                send_command(self._connection, job.worker_name, "stop-job", job_id=self.id)
-        return str(status.value)
+                send_command(self._connection, _text(worker), "stop-job", job_id=self.id)
+        return status
 
 
 def stored_result(job: Job) -> Any:
@@ -174,3 +192,13 @@ def _last_line(result: Any) -> str | None:
         return None
     lines = [line for line in str(text).strip().splitlines() if line.strip()]
     return lines[-1] if lines else None
+
+
+def _status(job: Job) -> str:
+    """RQ's status name (queued, started, finished, ...) of a fetched job."""
+    status = job.get_status(refresh=False)
+    return str(getattr(status, "value", status))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

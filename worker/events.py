@@ -1,6 +1,7 @@
 """A running job's events (started, progress, preview, then done/failed/stopped), written to its
 Redis streams in batches: progress is coalesced and flushed at most every PROGRESS_INTERVAL_S,
-and the end is written in the pipeline the worker already runs after each job."""
+and the end is written in the pipeline the worker already runs after each job. Every write to a
+model's queue stream trims it to this worker's KILN_EVENTS_RETENTION_S (set_retention)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ class EventJournal:
         model: str | None,
         webhook: str | None = None,
         interval_s: float = PROGRESS_INTERVAL_S,
+        retention_s: float = events.EVENTS_RETENTION_S,
     ) -> None:
         self.conn = conn
         self.job_id = job_id
         self.model = model
         self.webhook = webhook
         self.interval_s = interval_s
+        self.retention_s = retention_s  # of the model's queue stream
         self.result: RenderResult | None = None
         # "started" waits for the first flush like progress does: a short job writes it with
         # its end, in the round trip the worker makes anyway, and its client wakes once.
@@ -69,7 +72,7 @@ class EventJournal:
         try:
             with self.conn.pipeline(transaction=False) as pipe:
                 # The stream gets its TTL with the job's end (finish()): none while it runs.
-                events.add_events(pipe, batch, expire=False)
+                events.add_events(pipe, batch, expire=False, retention_s=self.retention_s)
                 pipe.execute()
         except RedisError as exc:
             log.warning("job %s: %d events not written: %s", self.job_id, len(batch), exc)
@@ -86,19 +89,34 @@ class EventJournal:
             error=error if kind != "done" else None,
             detail="re-queued after a worker shutdown" if kind == "queued" else None,
         )
-        events.add_events(pipe, [*self._drain(), end])
+        events.add_events(pipe, [*self._drain(), end], retention_s=self.retention_s)
         return end
 
 
 _journals: dict[str, EventJournal] = {}
 _lock = threading.Lock()
+# Settings.events_retention_s of this worker process, set once at its start (set_retention).
+_retention_s: float = events.EVENTS_RETENTION_S
+
+
+def set_retention(seconds: float) -> None:
+    """How long the queue streams this process writes to keep their events (trimmed by age)."""
+    global _retention_s
+    _retention_s = seconds
+
+
+def publish(conn: Redis, ended: list[JobEvent]) -> None:
+    """Write events of jobs that end outside a journal (abandoned, quarantined) in one round
+    trip, the queue streams trimmed as a journal trims them."""
+    events.publish(conn, ended, _retention_s)
 
 
 def open_journal(conn: Redis, job_id: str, origin: str | None, request: Any) -> EventJournal:
     """The journal of a job that starts running in this process."""
     model = origin.removeprefix(keys.QUEUE_PREFIX) if origin else None
     webhook = request.get("webhook") if isinstance(request, dict) else None
-    journal = EventJournal(conn, job_id, model, webhook if isinstance(webhook, str) else None)
+    target = webhook if isinstance(webhook, str) else None
+    journal = EventJournal(conn, job_id, model, target, retention_s=_retention_s)
     with _lock:
         _journals[job_id] = journal
     return journal

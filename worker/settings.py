@@ -86,6 +86,11 @@ class Settings(BaseSettings):
         None, ge=1, le=65535, description="Prometheus /metrics port; unset = off"
     )
     job_timeout_s: int = Field(600, ge=1, description="A job running longer is failed")
+    events_retention_s: int = Field(
+        86400,
+        ge=60,
+        description="How long a model queue's event stream keeps an event (trimmed by age)",
+    )
     faults: str = Field("", description="Fault drills, e.g. oom@denoise:full*2,oom@load:full")
     inductor_cache_dir: Path = Field(
         Path.home() / ".cache" / "kiln" / "inductor", description="Persistent torch.compile cache"
