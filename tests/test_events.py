@@ -11,7 +11,7 @@ from redis import Redis
 from api_client import keys
 from api_client.events import EVENTS_TTL_S
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
-from tests.workers import pace_here
+from tests.workers import pace_here, wait_until
 from worker.events import PROGRESS_INTERVAL_S
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 8, "seed": 2}
@@ -55,11 +55,17 @@ def test_wait_wakes_on_the_done_event_not_on_a_poll(redis_conn: Redis, settings:
         target=lambda: (job.wait(timeout=60, poll=30), returned.append(time.monotonic()))
     )
     waiter.start()
-    time.sleep(0.3)  # the waiter is blocked in XREAD by now
+    wait_until(lambda: blocked_in_xread(redis_conn), 10, "the waiter to block in XREAD")
     burst(redis_conn, renderer, ["tiny-sd15"])
     ended = time.monotonic()
     waiter.join(timeout=40)
     assert returned and returned[0] - ended < 1.0, returned
+
+
+def blocked_in_xread(conn: Redis) -> bool:
+    """Some connection is blocked in XREAD (CLIENT LIST: cmd=xread, flag b)."""
+    clients: list[dict[str, Any]] = conn.client_list()
+    return any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients)
 
 
 def test_refused_and_canceled_jobs_end_with_an_event(redis_conn: Redis, settings: Any) -> None:
@@ -88,8 +94,8 @@ def test_events_cost_a_few_commands_not_one_per_step(redis_conn: Redis, settings
     events = list(job.events(timeout=5))
     lifecycle = [e for e in events if e.kind in ("queued", "started", "done")]
     progress = [e for e in events if e.kind == "progress"]
-    # Each event once, lifecycle events twice (the queue's stream); RQ's result stream is unused.
-    assert calls["xadd"] == len(events) + len(lifecycle)
+    # Each event once, lifecycle events twice (the queue's stream), and RQ's results stream once.
+    assert calls["xadd"] == len(events) + len(lifecycle) + 1
     seconds = job.wait(timeout=1).timings.total
     assert len(progress) <= seconds / PROGRESS_INTERVAL_S + 3, (len(progress), seconds)
     print(
