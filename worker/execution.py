@@ -29,11 +29,11 @@ from rq.utils import utcformat
 
 from api_client import keys
 
-# KEYS: started registry, job hash, finished registry, results stream, dependents set, worker hash
-# ARGV: execution entry, job id, ended at, result ttl (-1: keep), finished score, working
-#       seconds, execution id, then the result's stream fields
+# KEYS: started registry, job hash, finished registry, results stream, dependents set
+# ARGV: execution entry, job id, ended at, result ttl (-1: keep), finished score, lease score,
+#       execution id, then the result's stream fields
 FINISH = """
-if not redis.call("ZSCORE", KEYS[1], ARGV[1]) then
+if redis.call("ZREM", KEYS[1], ARGV[1]) == 0 then
     -- Written already, when a connection error made the client send this script again?
     local last = redis.call("XREVRANGE", KEYS[4], "+", "-", "COUNT", 1)[1]
     if last then
@@ -45,24 +45,40 @@ if not redis.call("ZSCORE", KEYS[1], ARGV[1]) then
     end
     return -1
 end
-local ttl = tonumber(ARGV[4])
-redis.call("HSET", KEYS[2], "status", "finished", "ended_at", ARGV[3])
-redis.call("ZADD", KEYS[3], ARGV[5], ARGV[2])
-redis.call("XADD", KEYS[4], "MAXLEN", "10", "*", unpack(ARGV, 8))
-if ttl >= 0 then
-    redis.call("EXPIRE", KEYS[2], ttl)
-    redis.call("EXPIRE", KEYS[4], ttl)
-else
-    redis.call("PERSIST", KEYS[2])
+local written, failure = pcall(function()
+    local ttl = tonumber(ARGV[4])
+    redis.call("HSET", KEYS[2], "status", "finished", "ended_at", ARGV[3])
+    redis.call("ZADD", KEYS[3], ARGV[5], ARGV[2])
+    redis.call("XADD", KEYS[4], "MAXLEN", "10", "*", unpack(ARGV, 8))
+    if ttl >= 0 then
+        redis.call("EXPIRE", KEYS[2], ttl)
+        redis.call("EXPIRE", KEYS[4], ttl)
+    else
+        redis.call("PERSIST", KEYS[2])
+    end
+end)
+if not written then
+    -- A key of the wrong type: the lease stays held, so the worker can move the key aside and
+    -- send this again.
+    redis.call("ZADD", KEYS[1], ARGV[6], ARGV[1])
+    return redis.error_reply(type(failure) == "table" and failure.err or tostring(failure))
 end
-redis.call("HSET", KEYS[6], "state", "idle")
-redis.call("HDEL", KEYS[6], "current_job")
-redis.call("HINCRBY", KEYS[6], "successful_job_count", 1)
-redis.call("HINCRBYFLOAT", KEYS[6], "total_working_time", ARGV[6])
--- The lease goes last: a write above that fails (a key of the wrong type) leaves it held, so
--- the worker can move the key aside and run this again.
-redis.call("ZREM", KEYS[1], ARGV[1])
 return redis.call("SCARD", KEYS[5])
+"""
+
+
+# KEYS: scheduled registry, queue list. ARGV: now (unix s), job key prefix.
+# Jobs put back for later (a store outage's backoff) whose time has come go to the front of
+# their queue; ZREM decides which of several workers moves each one.
+ENQUEUE_DUE = """
+local due = redis.call("ZRANGEBYSCORE", KEYS[1], 0, ARGV[1], "LIMIT", 0, 100)
+for _, id in ipairs(due) do
+    if redis.call("ZREM", KEYS[1], id) == 1 and redis.call("EXISTS", ARGV[2] .. id) == 1 then
+        redis.call("HSET", ARGV[2] .. id, "status", "queued")
+        redis.call("LPUSH", KEYS[2], id)
+    end
+end
+return #due
 """
 
 
@@ -76,15 +92,13 @@ def start(
     pipe: Any, job: Job, queue: Queue, execution: Execution, worker: Any, ttl_s: float
 ) -> None:
     """Queue the start of job on pipe: the job hash says started (RQ's own fields), the lease is
-    taken, the job leaves RQ's intermediate list, the worker hash names it (rq info and
-    rq-dashboard show a busy worker), and the job's stop key is read (the last reply)."""
+    taken, the job leaves RQ's intermediate list, and its stop key is read (the last reply)."""
     job.prepare_for_execution(worker.name, pipeline=pipe)
     if job.ttl:  # a producer's "expire if not started in time" ends as it starts
         pipe.persist(job.key)
     pipe.zadd(queue.started_job_registry.key, {execution.composite_key: lease_score(ttl_s)})
     if len(worker.queues) == 1:  # RQ pops through the intermediate list for one queue
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-    pipe.hset(worker.key, mapping={"state": "busy", "current_job": job.id})
     pipe.exists(keys.stop_key(job.id))
 
 
@@ -99,7 +113,7 @@ def push_lease(pipe: Any, job: Job, execution: Execution, ttl_s: float) -> None:
 
 
 def holds(connection: Redis, job: Job, execution: Execution, ttl_s: float) -> bool:
-    """Push the lease now; whether this execution still holds the job."""
+    """Push the lease now (one command); whether this execution still holds the job."""
     with connection.pipeline(transaction=False) as pipe:
         push_lease(pipe, job, execution, ttl_s)
         (changed,) = pipe.execute()
@@ -107,7 +121,9 @@ def holds(connection: Redis, job: Job, execution: Execution, ttl_s: float) -> bo
 
 
 class Finisher:
-    """The end of a successful execution, written only while its lease is held (one script)."""
+    """The end of a successful execution, written only while its lease is held (one script).
+    The worker's own counters (RQ's successful_job_count, total_working_time) and busy or idle
+    go out with its state beat, not once a job."""
 
     def __init__(self, connection: Redis) -> None:
         self.script = connection.register_script(FINISH)
@@ -121,6 +137,7 @@ class Finisher:
         result_ttl: int | None,
         started_at: datetime,
         ended_at: datetime,
+        lease_ttl_s: float,
     ) -> int | None:
         """Record job's success as RQ's worker would; the number of jobs that depend on it, or
         None when this execution no longer holds the job (nothing was written)."""
@@ -145,7 +162,6 @@ class Finisher:
                 FinishedJobRegistry(queue.name, connection=job.connection).key,
                 Result.get_key(job.id),
                 job.dependents_key,
-                worker.key,
             ],
             args=[
                 execution.composite_key,
@@ -153,7 +169,7 @@ class Finisher:
                 utcformat(ended_at),
                 ttl,
                 score,
-                max((ended_at - started_at).total_seconds(), 0.0),
+                lease_score(lease_ttl_s),
                 execution.id,
                 *fields,
             ],

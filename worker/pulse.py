@@ -127,6 +127,8 @@ class Beating(Protocol):
 
     def recover_abandoned(self) -> None: ...
 
+    def drain_webhooks(self) -> None: ...
+
 
 class Pulse(threading.Thread):
     """Beside the render: every heartbeat_interval_s the running job's heartbeat, every
@@ -165,6 +167,8 @@ class Pulse(threading.Thread):
             if fresh and time.monotonic() - self._swept_at >= self.worker.sweep_interval_s:
                 self._swept_at = time.monotonic()
                 self.worker.recover_abandoned()
+                # After the sweep: the abandoned jobs it failed have their webhooks there.
+                self.worker.drain_webhooks()
         except REDIS_ERRORS as exc:
             # The connection's retries ran out (or an error they do not cover): the next beat
             # tries again. Logged once per outage, not once a beat.

@@ -56,7 +56,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from types import FrameType
 from typing import Any, Literal
@@ -92,6 +92,7 @@ from worker.errors import (
     JobStopped,
     LeaseLost,
     ShutdownStop,
+    StoreUnavailable,
 )
 from worker.job import LEASE_LOST, RenderJob, RQJobContext, record_error
 from worker.manifest import publish_manifests
@@ -106,7 +107,13 @@ WORKER_STATE_TTL_S = 60
 # often (their TTLs are 60 s and more), not around every job.
 STATE_INTERVAL_S = 10.0
 FIT_INTERVAL_S = 10.0
-Outcome = Literal["finished", "failed", "lost"]
+Outcome = Literal["finished", "failed", "lost", "retried"]
+# A store outage (S3 5xx, a refused connection) puts the job back for later this many times,
+# after these many seconds, before it fails naming the cause.
+STORE_BACKOFF_S = (10, 30, 90)
+# A lease pushed less than (its TTL - this) ago cannot have been swept, even by a worker whose
+# clock runs this much ahead: no Redis round trip is needed to know it holds.
+LEASE_MARGIN_S = 5.0
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -206,6 +213,12 @@ class KilnWorker(SimpleWorker):
         # Set when the running job's lease is found lapsed and taken (execution.py).
         self.lease_lost = threading.Event()
         self._finisher = execution.Finisher(self.connection)
+        self._enqueue_due = self.connection.register_script(execution.ENQUEUE_DUE)
+        # Monotonic time until which the running job's lease surely holds (holds_lease).
+        self._lease_until = -math.inf
+        # RQ's counters in the worker hash (rq info, rq-exporter), written with the state beat.
+        self.done_jobs = 0
+        self.working_s = 0.0
         # When Redis last came back after an outage (inf while it is away): see redis_unsettled.
         self._redis_back_at = -math.inf
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
@@ -226,6 +239,11 @@ class KilnWorker(SimpleWorker):
         finally:
             self._pulse.stop()
             self.webhooks.close()
+
+    def drain_webhooks(self) -> None:
+        """Send the outbox's deliveries for this worker's targets: job ends outside a render
+        (cancelled while queued, abandoned, quarantined), queued where no target is known."""
+        self.webhooks.drain_outbox(self.connection)
 
     def register_birth(self) -> None:
         super().register_birth()  # type: ignore[no-untyped-call]
@@ -350,7 +368,9 @@ class KilnWorker(SimpleWorker):
                 return pipe.execute()[-1]
 
         try:
+            sent_at = time.monotonic()
             stop_asked = self._retyped(job.id, send)
+            self._lease_until = sent_at + self.heartbeat_ttl_s
         except BaseException:
             # Redis gone for good (after the connection's minute of retries): the job stays in
             # the intermediate list, where RQ's maintenance fails it, as with RQ's own start.
@@ -376,6 +396,9 @@ class KilnWorker(SimpleWorker):
             if isinstance(exc_info[1], LeaseLost) or not self.holds_lease():
                 log.warning("job %s: %s", job.id, LEASE_LOST)
                 return "lost"
+            failure = exc_info[1]
+            if isinstance(failure, StoreUnavailable) and self._retry_later(job, queue, failure):
+                return "retried"
             self.handle_exception(job, *exc_info)
             exc_string = "".join(traceback.format_exception(*exc_info))
             self.handle_job_failure(job, queue, exc_string=exc_string)
@@ -399,20 +422,32 @@ class KilnWorker(SimpleWorker):
                 job.get_result_ttl(self.default_result_ttl),
                 held.created_at,
                 job.ended_at or now(),
+                self.heartbeat_ttl_s,
             ),
         )
         if dependents is None:
             return False
+        # RQ's worker counters, written with the state beat (publish_state).
+        self.done_jobs += 1
+        self.working_s += max(((job.ended_at or now()) - held.created_at).total_seconds(), 0.0)
         if dependents:
             queue.enqueue_dependents(job)
         return True
 
     def holds_lease(self) -> bool:
-        """Whether the running execution still holds its job (pushes its lease, one command)."""
+        """Whether the running execution still holds its job. No command while its last push
+        landed recently enough that no sweep can have taken it (LEASE_MARGIN_S before it
+        lapses, for clocks that differ between hosts); else one, which pushes it again."""
         job, held = self._running, self.execution
         if job is None or held is None:
             return True
-        return execution.holds(self.connection, job, held, self.heartbeat_ttl_s)
+        if time.monotonic() < self._lease_until - LEASE_MARGIN_S:
+            return True
+        sent_at = time.monotonic()
+        if not execution.holds(self.connection, job, held, self.heartbeat_ttl_s):
+            return False
+        self._lease_until = sent_at + self.heartbeat_ttl_s
+        return True
 
     def render_job(self, ctx: RQJobContext) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
@@ -475,11 +510,14 @@ class KilnWorker(SimpleWorker):
             if job is None or held is None:
                 return True
             try:
+                sent_at = time.monotonic()
                 with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
                     execution.push_lease(pipe, job, held, self.heartbeat_ttl_s)
                     if look_for_stop:
                         pipe.exists(keys.stop_key(job.id))
                     pushed, *stop_asked = pipe.execute()
+                if pushed:
+                    self._lease_until = sent_at + self.heartbeat_ttl_s
             except ResponseError as exc:
                 if not quarantine.wrong_type(exc) or not self.repair_keys(job.id):
                     raise
@@ -531,15 +569,22 @@ class KilnWorker(SimpleWorker):
         self.cancelled.set()
 
     def recover_abandoned(self) -> None:
-        """Jobs whose worker stopped heartbeating go back to their queue (if retries are left).
-        One command a queue when none has lapsed, which is nearly always."""
+        """Jobs whose worker stopped heartbeating go back to their queue (if retries are left),
+        and jobs put back for later whose time has come too. Two commands a queue when neither
+        is due, which is nearly always."""
         if self.redis_unsettled():
             return
         stamp = current_timestamp()
-        found = self._retyped(None, partial(self._lapsed_leases, stamp))
+        found = self._retyped(None, partial(self._due, stamp))
         if self.redis_unsettled():  # that read waited out an outage: every lease looks lapsed
             return
-        lapsed = [queue for queue, due in zip(self.queues, found, strict=True) if due]
+        for queue, (_, later) in zip(self.queues, found, strict=True):
+            if later:
+                self._enqueue_due(
+                    keys=[queue.scheduled_job_registry.key, queue.key],
+                    args=[stamp, Job.redis_job_namespace_prefix],
+                )
+        lapsed = [queue for queue, (due, _) in zip(self.queues, found, strict=True) if due]
         for queue in lapsed:
             # RQ's own lock: two sweepers would each re-queue the same job.
             if not queue.acquire_maintenance_lock():
@@ -556,11 +601,40 @@ class KilnWorker(SimpleWorker):
             finally:
                 queue.release_maintenance_lock()
 
-    def _lapsed_leases(self, stamp: float) -> list[Any]:
+    def _due(self, stamp: float) -> list[tuple[Any, Any]]:
+        """Per queue: a lapsed lease, if any; a job put back for later and due, if any."""
         with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
             for queue in self.queues:
                 pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
-            return list(pipe.execute())
+                pipe.zrangebyscore(queue.scheduled_job_registry.key, 0, stamp, start=0, num=1)
+            found = pipe.execute()
+        return list(zip(found[::2], found[1::2], strict=True))
+
+    def _retry_later(self, job: Job, queue: Queue, exc: StoreUnavailable) -> bool:
+        """A store outage that may heal: the job goes back for later, after STORE_BACKOFF_S[n]
+        seconds for its n-th time (the sweep moves it to the front of its queue then); False
+        once it has had them all, and it fails naming the cause."""
+        tries = int(job.meta.get("store_retries") or 0)
+        if tries >= len(STORE_BACKOFF_S):
+            message = f"the store stayed unavailable through {tries} retries: {exc.cause}"
+            record_error(job, "StoreUnavailable", message)
+            return False
+        delay = STORE_BACKOFF_S[tries]
+        job.meta["store_retries"] = tries + 1
+        with self.connection.pipeline() as pipe:
+            self.cleanup_execution(job, pipeline=pipe)
+            # Saves the job whole (its meta with the count too), status scheduled.
+            queue.schedule_job(job, now() + timedelta(seconds=delay), pipeline=pipe)
+            pipe.execute()
+        log.warning(
+            "job %s: the store is unavailable (%s); retry %d of %d in %d s",
+            job.id,
+            exc.cause,
+            tries + 1,
+            len(STORE_BACKOFF_S),
+            delay,
+        )
+        return True
 
     def repair_keys(self, job_id: str | None = None) -> list[str]:
         """Move aside this worker's keys (and job_id's) that a client overwrote with another
@@ -593,10 +667,17 @@ class KilnWorker(SimpleWorker):
             self._redis_back_at = time.monotonic()
 
     def redis_unsettled(self) -> bool:
-        """Redis came back less than a lease ago. Every running job's lease may have lapsed
-        while no worker could push it: they are not abandoned, and their workers push them
-        within a beat. Sweeping now would re-queue every running job at once."""
-        return time.monotonic() - self._redis_back_at < self.heartbeat_ttl_s
+        """Redis is away, or came back less than a lease ago (the Pulse's watch of the
+        connection's retries, or a command that took longer than a beat). Every running job's
+        lease may have lapsed while no worker could push it: they are not abandoned, and their
+        workers push them within a beat. Sweeping now would re-queue every running job."""
+        back_at = self._redis_back_at
+        watch = self._pulse.redis if self._pulse is not None else None
+        if watch is not None:
+            if watch.lost_at is not None:
+                return True
+            back_at = max(back_at, watch.regained_at)
+        return time.monotonic() - back_at < self.heartbeat_ttl_s
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's loop calls this around every dequeue: here it only stops the loop when asked to.
@@ -641,10 +722,19 @@ class KilnWorker(SimpleWorker):
         if sweep:  # workers killed without a goodbye leave their name behind
             pipe.zremrangebyscore(keys.WORKERS_KEY, 0, moment - WORKER_STATE_TTL_S)
         self.last_heartbeat = now()
+        running = self.get_current_job_id()
         pipe.hset(
             self.key,
-            mapping={"last_heartbeat": utcformat(self.last_heartbeat), "state": state.state},
+            mapping={
+                "last_heartbeat": utcformat(self.last_heartbeat),
+                "state": state.state,
+                "successful_job_count": self.done_jobs,
+                "total_working_time": self.working_s,
+                **({"current_job": running} if running else {}),
+            },
         )
+        if not running:
+            pipe.hdel(self.key, "current_job")
         pipe.expire(self.key, self.worker_ttl + 60)
         self.publisher.flush(pipe, everything=True)
         self._published_resident = resident

@@ -57,6 +57,7 @@ def serve(
     from worker.render import Renderer
 
     import_pipeline_classes([manifests[m] for m in servable])
+    logs.route_library_logs()  # diffusers and transformers log through their own handlers
     imported = time.perf_counter()
     info = dev.probe(settings)
     connection = worker_connection(settings.redis_url)
