@@ -40,3 +40,12 @@ def test_no_import_cycles() -> None:
 
     for name in sorted(graph):
         visit(name, [name])
+
+
+def test_every_compose_service_restarts_on_failure() -> None:
+    """A worker that exits non-zero (a lost device, a crash) comes back without an operator."""
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    policies = {name: spec.get("restart") for name, spec in compose["services"].items()}
+    assert all(p in ("on-failure", "unless-stopped", "always") for p in policies.values()), policies
