@@ -17,6 +17,7 @@ from api_client.cancel import CANCELED_TTL_S
 from api_client.enqueue import MAX_QUEUED, QUEUED_TTL_S, RESULT_TTL_S
 from api_client.events import EVENTS_RETENTION_S, EVENTS_TTL_S
 from api_client.job import STOP_TTL_S
+from api_client.schema import JobEvent
 from tests.helpers import burst, client_for, make_renderer
 from worker import events as job_events
 from worker.manifest import load_manifests, publish_manifests
@@ -165,13 +166,20 @@ def test_the_queue_stream_is_trimmed_by_age_by_client_and_worker(
 
     # The worker's writes trim to its own KILN_EVENTS_RETENTION_S.
     write_old_events(redis_conn, "tiny-sdxl", 2 * hour)
+    write_old_events(redis_conn, "tiny-sd3", 2 * hour)
+    abandoned = JobEvent(kind="failed", job_id="j2", model="tiny-sd3", at=time.time())
     job_events.set_retention(hour)
     try:
         journal = job_events.open_journal(redis_conn, "j1", "kiln:tiny-sdxl", {})
         journal.flush()  # its started event
+        with redis_conn.pipeline(transaction=False) as pipe:
+            job_events.add_ended(pipe, [abandoned])  # a job that ends outside a journal
+            pipe.execute()
     finally:
         job_events.set_retention(EVENTS_RETENTION_S)
     assert old_left(redis_conn, "tiny-sdxl", 2 * hour) <= NODE
+    assert old_left(redis_conn, "tiny-sd3", 2 * hour) <= NODE
+    assert 0 < redis_conn.ttl(keys.events_key("j2")) <= EVENTS_TTL_S
 
 
 def test_retention_comes_from_kiln_events_retention_s(

@@ -105,10 +105,10 @@ def set_retention(seconds: float) -> None:
     _retention_s = seconds
 
 
-def publish(conn: Redis, ended: list[JobEvent]) -> None:
-    """Write events of jobs that end outside a journal (abandoned, quarantined) in one round
-    trip, the queue streams trimmed as a journal trims them."""
-    events.publish(conn, ended, _retention_s)
+def add_ended(pipe: Any, ended: list[JobEvent]) -> None:
+    """Queue the events of jobs that end outside a journal (abandoned, quarantined) on the
+    caller's pipeline, with their streams' TTL, the queue streams trimmed as a journal trims."""
+    events.add_events(pipe, ended, retention_s=_retention_s)
 
 
 def open_journal(conn: Redis, job_id: str, origin: str | None, request: Any) -> EventJournal:
