@@ -17,7 +17,7 @@ from api_client import events, keys
 from api_client.schema import JobEvent, PreviewRef, RenderResult
 
 log = logging.getLogger(__name__)
-PROGRESS_INTERVAL_S = 0.5  # a progress bar moves twice a second, whatever the step rate
+PROGRESS_INTERVAL_S = 1.0  # a progress bar moves once a second, whatever the step rate (the budget)
 
 
 class EventJournal:
