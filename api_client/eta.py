@@ -70,8 +70,10 @@ def job_eta(connection: Redis, job: JobSummary) -> float | None:
         raw_fits, position, length, head, executions = pipe.execute()
     fits = {_text(k): TimingFit.model_validate_json(v) for k, v in raw_fits.items()}
     own = _estimate(job, fits)
-    if own is None or job.status == "started":
-        return None if own is None else _remaining(job, own)
+    if own is None:
+        return None
+    if job.status == "started":
+        return _remaining(job, own)
     ahead = position if position is not None else length  # not in the list: behind them all
     sample = [_text(i) for i in head[:ahead]]
     # "<job id>:<execution id>"; a worker may take this job between the reads: never count it.

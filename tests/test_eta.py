@@ -123,13 +123,21 @@ def test_eta_runs_no_rq_clean_up_and_imports_nothing_a_record_names(
     started = keys.RQ_STARTED_PREFIX + QUEUE
     entry, lapsed = f"{abandoned.id}:dead-execution", time.time() - 60
     redis_conn.zadd(started, {entry: lapsed})
+    # And one a live worker runs, half done.
+    running = client.submit({"model": MODEL, "prompt": "c", "steps": 12, "seed": 3})
+    redis_conn.lrem(keys.rq_queue_key(QUEUE), 0, running.id)
+    half = timedelta(seconds=fit.eta(12) / 2)
+    redis_conn.hset(
+        keys.rq_job_key(running.id),
+        mapping={"status": "started", "started_at": utcformat(datetime.now(timezone.utc) - half)},
+    )
+    redis_conn.zadd(started, {f"{running.id}:live-execution": time.time() + 10})
 
-    # The lapsed run is not counted as running; its job's own ETA is what is left of its fit.
-    assert waiting.eta() == pytest.approx(fit.eta(4))
+    # The lapsed run is not counted; the live one is, by what is left of it. A started job's
+    # own ETA is what is left of its fit.
+    assert waiting.eta() == pytest.approx(fit.eta(4) + fit.eta(12) / 2, abs=0.1)
     assert abandoned.eta() == 0.0  # started 61 s ago, expected to take 0.4 s
-    assert redis_conn.zrange(started, 0, -1, withscores=True) == [
-        (entry.encode(), pytest.approx(lapsed))
-    ]
+    assert redis_conn.zscore(started, entry) == pytest.approx(lapsed)
     assert redis_conn.lrange(keys.rq_queue_key(QUEUE), 0, -1) == [waiting.id.encode()]
     assert redis_conn.hget(keys.rq_job_key(abandoned.id), "status") == b"started"
     assert not marker.exists() and CANARY not in sys.modules
