@@ -70,7 +70,9 @@ class KilnClient:
         events_retention_s: float = events.EVENTS_RETENTION_S,
     ) -> None:
         """events_retention_s: how long the model queues' event streams keep an event (the
-        workers' KILN_EVENTS_RETENTION_S; each writer trims them to its own)."""
+        workers' KILN_EVENTS_RETENTION_S; each writer trims them to its own), at least a minute."""
+        if not events_retention_s >= 60:
+            raise ValueError(f"events_retention_s must be at least 60 s, got {events_retention_s}")
         self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
         self.events_retention_s = events_retention_s
@@ -80,11 +82,17 @@ class KilnClient:
     @classmethod
     def from_env(cls) -> KilnClient:
         """KILN_REDIS_URL, KILN_MANIFESTS and KILN_EVENTS_RETENTION_S: all a client reads."""
-        retention = os.environ.get("KILN_EVENTS_RETENTION_S")
+        retention = os.environ.get("KILN_EVENTS_RETENTION_S") or str(events.EVENTS_RETENTION_S)
+        try:
+            seconds = float(retention)
+        except ValueError:
+            raise ValueError(
+                f"KILN_EVENTS_RETENTION_S must be a number of seconds, got {retention!r}"
+            ) from None
         return cls(
             os.environ.get("KILN_REDIS_URL", DEFAULT_REDIS_URL),
             manifests_dir=os.environ.get("KILN_MANIFESTS", "manifests"),
-            events_retention_s=float(retention) if retention else events.EVENTS_RETENTION_S,
+            events_retention_s=seconds,
         )
 
     def manifests(self) -> dict[str, Manifest]:

@@ -191,6 +191,11 @@ def test_retention_comes_from_kiln_events_retention_s(
     monkeypatch.delenv("KILN_EVENTS_RETENTION_S")
     assert KilnClient.from_env().events_retention_s == EVENTS_RETENTION_S
     assert make_settings().events_retention_s == EVENTS_RETENTION_S
+    monkeypatch.setenv("KILN_EVENTS_RETENTION_S", "a day")
+    with pytest.raises(ValueError, match="KILN_EVENTS_RETENTION_S must be a number of seconds"):
+        KilnClient.from_env()
+    with pytest.raises(ValueError, match="at least 60 s"):
+        KilnClient(redis_url, events_retention_s=0)
 
 
 def test_a_full_queue_refuses_a_submit_naming_the_model(
