@@ -23,7 +23,7 @@ from worker import output
 from worker.compile import graphs_compiled
 from worker.context import JobContext
 from worker.device import DeviceInfo
-from worker.errors import FatalWorkerError, JobStopped, device_lost
+from worker.errors import FatalWorkerError, JobStopped, LeaseLost, device_lost
 from worker.faults import FaultPlan
 from worker.generate import generate
 from worker.ladder import (
@@ -88,6 +88,7 @@ class Renderer:
             simulated_device=self.info.simulated,
             model=_requested_model(payload),  # so a refused job still counts against its model
         )
+        lost = False
         try:
             # 0. A job refused by its runner, or cancelled while it waited, never loads a model.
             ctx.admit()
@@ -145,6 +146,7 @@ class Renderer:
             return result
         except JobStopped as exc:
             record.status, record.error = "stopped", str(exc)
+            lost = isinstance(exc, LeaseLost)
             raise
         except BaseException as exc:  # errors, and a job timeout (a BaseException by design)
             fatal = _fatal(exc, ctx.job_id)
@@ -154,6 +156,9 @@ class Renderer:
                 raise fatal from exc
             raise
         finally:
+            # Files begun by an attempt that did not finish are removed; a lost job's files are
+            # the names its new owner writes, so they are left to it.
+            self.store.close_job(ctx.job_id, keep=record.status == "done" or lost)
             if record.answered_from == "render":
                 record.timings = watch.timings(ctx.queue_wait_s)
             # A done job's record waits for the job's end to be committed when a queue runs it.
