@@ -21,7 +21,6 @@ from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreU
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
-RECORDED_MARK = ".recorded"  # the job's timing record was written (after result.json)
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 _EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
 # OSErrors that heal on their own: an output directory on a network mount that timed out or
@@ -157,20 +156,6 @@ def same_request(result: RenderResult, request_digest: str, where: str) -> Rende
             " submit it under a new job id"
         )
     return result
-
-
-def mark_recorded(output_dir: Path, job_id: str) -> bool:
-    """The job's one timing record is written; a worker answering it from disk writes none.
-    False if the mark cannot be made: at worst a crash then costs a second record, not the job."""
-    try:
-        (job_dir(output_dir, job_id) / RECORDED_MARK).touch()
-    except OSError:
-        return False
-    return True
-
-
-def recorded(output_dir: Path, job_id: str) -> bool:
-    return (job_dir(output_dir, job_id) / RECORDED_MARK).exists()
 
 
 def discard(output_dir: Path, job_id: str, names: list[str]) -> None:
