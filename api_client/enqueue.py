@@ -7,8 +7,9 @@ the script, then our event); workers register their queues when they start inste
 
 Lifetimes: a queued job's hash and event stream expire QUEUED_TTL_S after it is queued (RQ's own
 `ttl` field, "discard if not started in time"; RQ sets it again on every re-queue). A worker that
-takes the job sets both to running_ttl_s(timeout); its end sets the result or failure TTL on the
-hash and EVENTS_TTL_S on the stream. No key a job writes is left without a lifetime.
+takes the job sets the hash's to running_ttl_s(timeout) (the stream's too, for a job that waited
+over a day); its end sets the result or failure TTL on the hash. No key a job writes is left
+without a lifetime.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ return id
 """
 
 
-def running_ttl_s(timeout_s: int | None) -> int:
+def running_ttl_s(timeout_s: float | None) -> int:
     """The lifetime a worker gives a job's hash and event stream when it takes the job: its run
     (at most its timeout) plus a queued lifetime, for a job whose worker dies under it and that
     waits to be recovered. Its end replaces it with the result TTL."""

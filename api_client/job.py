@@ -18,6 +18,7 @@ from api_client.errors import JobTimeout, RenderFailed, UnknownJob
 from api_client.eta import job_eta, read_jobs
 from api_client.fetch import fetch_image
 from api_client.schema import JobError, JobEvent, Progress, RenderResult
+from api_client.webhooks import job_webhook_target, queue_webhook
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -158,14 +159,20 @@ class KilnJob:
         # it still sees the key (before loading, or within its worker's next state beat).
         with self._connection.pipeline(transaction=False) as pipe:
             pipe.set(keys.stop_key(self.id), "1", ex=STOP_TTL_S)
-            pipe.hmget(keys.rq_job_key(self.id), ["status", "origin", "worker_name"])
-            _, (raw_status, origin, worker) = pipe.execute()
+            pipe.hmget(keys.rq_job_key(self.id), ["status", "origin", "worker_name", "data"])
+            _, (raw_status, origin, worker, data) = pipe.execute()
         if raw_status is None:
             # No job: status() says why. One submitted under this id since has the stop key.
             return self.status()
         status = _text(raw_status)
         if status in CANCELABLE:
             seen = cancel_queued(self._connection, self.id, _text(origin or b""), self._retention_s)
+            if seen in CANCELABLE:  # this call took it off its queue: its end goes to its webhook
+                model = _text(origin or b"").removeprefix(keys.QUEUE_PREFIX)
+                stopped = JobEvent(
+                    kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
+                )
+                queue_webhook(self._connection, job_webhook_target(data), stopped)
             status = seen or status
         if status == "started" and worker:
             from redis.exceptions import NoPermissionError

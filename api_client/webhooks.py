@@ -34,14 +34,16 @@ import json
 import time
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
-from redis import Redis
-from redis.client import Pipeline
 
 from api_client.errors import KilnError, short
 from api_client.schema import WEBHOOK_NAME, JobEvent
+
+if TYPE_CHECKING:  # `import api_client` loads no redis (tests/test_client_import.py)
+    from redis import Redis
+    from redis.client import Pipeline
 
 ID_HEADER = "webhook-id"
 TIMESTAMP_HEADER = "webhook-timestamp"
@@ -193,6 +195,8 @@ def queue_webhook(redis: Redis | Pipeline, target: str | None, event: JobEvent) 
     if not WEBHOOK_NAME.fullmatch(target):
         raise ValueError(f"webhook target {short(target)!r} is not a target name")
     entry = OutboxEntry(target=target, event=event).model_dump_json(exclude_none=True)
+    from redis.client import Pipeline
+
     pipe = redis if isinstance(redis, Pipeline) else redis.pipeline(transaction=False)
     key = outbox_key(target)
     pipe.lpush(key, entry)

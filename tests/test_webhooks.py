@@ -352,3 +352,45 @@ def test_the_outbox_keeps_the_newest_entries_up_to_its_cap(redis_conn: Redis) ->
     assert redis_conn.llen(outbox_key("studio")) == OUTBOX_MAX
     oldest = json.loads(redis_conn.lindex(outbox_key("studio"), -1) or b"{}")
     assert oldest["event"]["job_id"] == "job-5"
+
+
+def test_every_job_end_outside_a_render_sends_its_webhook_through_a_worker(
+    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Any
+) -> None:
+    """Cancelled while queued (by the client, which has no target URLs), abandoned by a dead
+    worker with no retries left, and quarantined: each end reaches its target, delivered by a
+    real worker process from the outbox, verified with the standardwebhooks package."""
+    from api_client import KilnClient, keys
+    from tests.workers import WorkerProcess
+
+    hooks = HookServer()
+    hooks.start()
+    env = {
+        **kiln_env,
+        "KILN_WEBHOOKS": json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}),
+    }
+    redis_conn.sadd(keys.WEBHOOK_TARGETS_KEY, "studio")
+    client = KilnClient(connection=redis_conn)
+    request = {**REQUEST, "model": "tiny-sd3", "webhook": "studio"}  # a queue no worker serves
+    cancelled = client.submit(request)
+    assert cancelled.cancel() == "queued"
+    # Abandoned: started by a worker that died, no retries left, its lease long lapsed.
+    abandoned = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
+    redis_conn.lrem("rq:queue:kiln:tiny-sd15", 0, abandoned)
+    redis_conn.hset(f"rq:job:{abandoned}", mapping={"status": "started", "retries_left": 0})
+    redis_conn.zadd("rq:wip:kiln:tiny-sd15", {f"{abandoned}:dead": 1})
+    # Quarantined: a record kiln cannot read, on the queue.
+    broken = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
+    redis_conn.hset(f"rq:job:{broken}", "status", "exploded")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15")
+    try:
+        worker.wait_ready(redis_conn)
+        deliveries = hooks.wait_for(3, timeout=90)
+    finally:
+        worker.stop()
+        hooks.stop()
+    ends = {
+        (e["job_id"], e["kind"])
+        for e in (Webhook(SECRET).verify(d.body, d.headers) for d in deliveries)
+    }
+    assert ends == {(cancelled.id, "stopped"), (abandoned, "failed"), (broken, "failed")}

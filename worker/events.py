@@ -89,7 +89,10 @@ class EventJournal:
             error=error if kind != "done" else None,
             detail="re-queued after a worker shutdown" if kind == "queued" else None,
         )
-        events.add_events(pipe, [*self._drain(), end], retention_s=self.retention_s)
+        # The stream keeps the lifetime its submit gave it (worker/execution.py start).
+        events.add_events(
+            pipe, [*self._drain(), end], expire=False, retention_s=self.retention_s
+        )
         return end
 
 

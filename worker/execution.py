@@ -25,9 +25,14 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import FinishedJobRegistry
 from rq.results import Result
-from rq.utils import utcformat
+from rq.utils import now, utcformat
 
 from api_client import keys
+from api_client.enqueue import running_ttl_s
+
+# A job that waited longer than this for a worker has its event stream's lifetime renewed as it
+# starts, so the stream cannot expire under its run (and be written again without one).
+STREAM_REFRESH_AFTER_S = 24 * 3600
 
 # KEYS: started registry, job hash, finished registry, results stream, dependents set
 # ARGV: execution entry, job id, ended at, result ttl (-1: keep), finished score, lease score,
@@ -91,11 +96,18 @@ def lease_score(ttl_s: float) -> float:
 def start(
     pipe: Any, job: Job, queue: Queue, execution: Execution, worker: Any, ttl_s: float
 ) -> None:
-    """Queue the start of job on pipe: the job hash says started (RQ's own fields), the lease is
-    taken, the job leaves RQ's intermediate list, and its stop key is read (the last reply)."""
+    """Queue the start of job on pipe: the job hash says started (RQ's own fields) and lives
+    through its run (its queued lifetime ends), the lease is taken, the job leaves RQ's
+    intermediate list, and its stop key is read (the last reply).
+
+    The job's event stream keeps the lifetime its submit gave it (QUEUED_TTL_S), which outlasts
+    any run, unless the job waited over STREAM_REFRESH_AFTER_S for a worker."""
     job.prepare_for_execution(worker.name, pipeline=pipe)
-    if job.ttl:  # a producer's "expire if not started in time" ends as it starts
-        pipe.persist(job.key)
+    lifetime = running_ttl_s(job.timeout)
+    pipe.expire(job.key, lifetime)
+    waited = (now() - job.enqueued_at).total_seconds() if job.enqueued_at else 0.0
+    if waited > STREAM_REFRESH_AFTER_S:
+        pipe.expire(keys.events_key(job.id), lifetime)
     pipe.zadd(queue.started_job_registry.key, {execution.composite_key: lease_score(ttl_s)})
     if len(worker.queues) == 1:  # RQ pops through the intermediate list for one queue
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)

@@ -130,7 +130,7 @@ class RenderJob(Job):
                 kind="failed", job_id=self.id, model=model, at=events.now(), error=reason
             )
             with self.connection.pipeline(transaction=False) as pipe:
-                events.add_events(pipe, [failed])
+                job_events.add_ended(pipe, [failed])
                 queue_webhook(pipe, webhook_target(_request_of(self)), failed)
                 pipe.execute()
 

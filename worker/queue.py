@@ -1,39 +1,48 @@
 """The RQ side of kiln: a worker that never forks and keeps its pipelines resident.
 
 The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does.
-RQ's data stays RQ's (job hash, queues, intermediate list, started and failed registries), so
-RQ's clean-ups and its retries of abandoned jobs still work; RQ's own perform path, about 40
-commands in six round trips a job, is replaced by steps 3 and 7 (bench/RESULTS.md).
+RQ's data stays RQ's (job hash, queues, intermediate list, registries, results stream), so RQ's
+readers see kiln's jobs as any RQ job; RQ's own perform path, about 40 commands in six round
+trips a job, is replaced by steps 3 and 7 (worker/execution.py; bench/RESULTS.md).
 
 1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop, round robin over the model
    queues. *dequeue_job_and_maintain_ttl moves a job id from its queue into RQ's intermediate
-   list; *reorder_queues runs right after the pop: from here the job must run, whatever signal
-   arrives, or it would sit in no queue and no registry.
+   list (a record kiln cannot read, or a key a client retyped, is moved aside into the
+   quarantine); *reorder_queues runs right after the pop: from here the job must run, whatever
+   signal arrives, or it would sit in no queue and no registry.
 2. *execute_job caps the job's timeout at KILN_JOB_TIMEOUT_S and gives the job its entry point
    into kiln (RenderJob.run = KilnWorker.render_job with the job's RQJobContext).
-3. _start, one round trip: the job hash says started, the started registry holds this execution
-   for *get_heartbeat_ttl (10 s), the id leaves the intermediate list, the stop key is read.
-   From here the Pulse thread pushes the registry entry on every 2 s. A cancel arrives as RQ's
-   stop-job command on RQ's pub/sub thread (*get_current_job_id, *kill_horse set `cancelled`,
-   which the render reads at its next step): no Redis round trip per denoising step.
+3. _start, one round trip: the job hash says started, the execution takes the job's lease (its
+   entry in the started registry, lapsing *get_heartbeat_ttl, 10 s, after its last push), the id
+   leaves the intermediate list, the stop key is read. From here the Pulse thread pushes the
+   lease every 3 s; a push that changes nothing means the lease was swept while this worker
+   stalled (`lease_lost`). A cancel arrives as RQ's stop-job command on RQ's pub/sub thread
+   (*handle_payload takes nothing else), which sets `cancelled`: the render reads it at its next
+   step or phase boundary, with no Redis round trip per denoising step.
 4. _perform runs job.perform() under TimeoutPenalty (SIGALRM -> JobDeadlineExceeded):
    RenderJob._execute -> render_job -> Renderer.render (worker/render.py: admit, validate,
-   answer from disk, rung, load, generate, save). The render emits the job's one timing record
-   and hands it to RecordPublisher (metrics, the model's timing fit in Redis).
+   answer from the store, rung, load, generate, confirm the lease, save). A done job's timing
+   record is held until step 7 commits it; any other ends here.
 5. Heartbeats stop (the job is no longer _running) before the job's end is written.
-6. Failure: *handle_exception keeps the exception for *handle_job_failure (RQ's, one more round
-   trip): a ShutdownStop goes back to the front of its queue; a JobStopped ends as stopped;
-   anything else fails (RenderJob.should_retry is False: only jobs abandoned by a dead worker
-   are retried); a FatalWorkerError also ends this worker (exit 1).
-7. _after_job, one round trip: a success as RQ records it (_finish: status, result in the job
-   hash, out of the started registry, result TTL), the model's timing fit, the worker's state if
-   what is resident changed, and the job's last events (worker/events.py; the end one carries
-   the result and wakes the client); then the job's webhook goes to its thread. RQ's loop calls
-   *heartbeat, which is where a requested shutdown stops the loop.
+6. Failure: a job whose lease is lost writes nothing ("lost"). A store outage that heals puts
+   the job back for later (_retry_later: STORE_BACKOFF_S). Otherwise *handle_exception keeps the
+   exception for *handle_job_failure (RQ's, one more round trip): a ShutdownStop goes back to
+   the front of its queue; a JobStopped ends as stopped; anything else fails
+   (RenderJob.should_retry is False: only jobs abandoned by a dead worker are retried); a
+   FatalWorkerError also ends this worker (exit 1).
+7. _after_job: a success as RQ's worker writes it (_finish, one script that writes only while
+   the lease is held: status, results stream, finished registry, result TTL; the jobs that
+   depend on it are enqueued), then the job's one record is published; then one round trip with
+   the model's timing fit, the worker's state if what is resident changed, and the job's last
+   events (worker/events.py; the end one carries the result and wakes the client); then the
+   job's webhook goes to its thread. RQ's loop calls *heartbeat, where a requested shutdown
+   stops the loop.
 
-Beside it, every 4 s, the Pulse thread re-queues jobs whose worker stopped heartbeating
-(*recover_abandoned), and every 10 s publishes the worker's state with RQ's worker heartbeat
-and reads the running job's stop key (a stop-job command lost while pub/sub reconnected).
+Beside it, every 5 s, the Pulse thread re-queues jobs whose lease lapsed (*recover_abandoned;
+not while Redis is back less than a lease ago, when every lease may have lapsed), moves jobs put
+back for later to their queue when due, and delivers the webhook outbox; every 10 s it
+publishes the worker's state with RQ's worker hash (state, current job, counters) and reads the
+running job's stop key (a stop-job command lost while pub/sub reconnected).
 Signals: the first SIGTERM/SIGINT finishes the job and exits (*request_stop); a second stops it
 at its next step and re-queues it (*request_force_stop).
 
@@ -177,9 +186,9 @@ class KilnWorker(SimpleWorker):
 
     job_class = RenderJob
     death_penalty_class = TimeoutPenalty
-    heartbeat_interval_s = 2.0
+    heartbeat_interval_s = 3.0
     heartbeat_ttl_s = 10
-    sweep_interval_s = 4.0  # a killed worker's job is back on its queue within about 16 s
+    sweep_interval_s = 5.0  # a killed worker's job is back on its queue within about 15 s
     state_interval_s = STATE_INTERVAL_S
     # Reconnect quickly after a Redis restart instead of RQ's backoff up to a minute.
     max_connection_wait_time = 5.0
@@ -832,6 +841,7 @@ class KilnWorker(SimpleWorker):
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
     """A worker named as its renderer, listening on the queues of the models it serves."""
     # A key a client retyped would crash this worker at every start: moved aside first.
+    job_events.set_retention(renderer.settings.events_retention_s)
     names = [keys.queue_name(m) for m in models]
     quarantine.repair_types(connection, keytypes.shared(names, f"rq:worker:{renderer.worker_name}"))
     publish_manifests(connection, {m: renderer.manifests[m] for m in models})
