@@ -41,16 +41,23 @@ def private_redis(work: Path) -> Iterator[str]:
 
 
 @contextmanager
-def running_worker(work: Path, models: str, url: str) -> Iterator[dict[str, str]]:
-    """`kiln worker --models MODELS` on url, ready (its state published); its environment."""
+def running_worker(
+    work: Path,
+    models: str,
+    url: str,
+    module: str = "worker.cli",
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[dict[str, str]]:
+    """`kiln worker --models MODELS` on url, ready (its state published); its environment.
+    module: another launcher of the same command line (a fake from tests/fixtures)."""
     from api_client import KilnClient
     from worker.tiny import build_tiny_models
 
     build_tiny_models(MODELS_DIR)
-    env = kiln_env(url, work)
-    with open(work / "worker.log", "wb") as log:
+    env = {**kiln_env(url, work), **(extra_env or {})}
+    with open(work / "worker.log", "ab") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "worker", "--models", models],
+            [sys.executable, "-m", module, "worker", "--models", models],
             env=env,
             cwd=ROOT,
             stdout=log,

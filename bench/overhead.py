@@ -9,10 +9,13 @@
 bare, engine and queue take turns in blocks of five jobs, so drift hits all three alike.
 The last line is machine-readable:
   queue_vs_bare=<x> engine_vs_bare=<x> naive_vs_queue=<x> redis_cmds_per_job=<n>
+  redis_cmds_per_s_rendering=<n>
 with Redis commands counted by INFO commandstats around the measured queue jobs (everything
-the client and the worker sent, the worker's heartbeat thread included).
+the client and the worker sent, the worker's heartbeat thread included). The last number comes
+from one job of --long-s seconds (40 steps paced by tests/fixtures/paced_worker.py, the client
+waiting on its events): its commands beyond the short jobs' fixed cost, per second rendered.
 
-    python bench/overhead.py [--steps 8] [--jobs 20] [--naive-jobs 3] [--json FILE]
+    python bench/overhead.py [--steps 8] [--jobs 20] [--naive-jobs 3] [--long-s 20] [--json F]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = "tiny-sd15"
 BLOCK = 5
+LONG_STEPS = 40
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
@@ -77,6 +81,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--naive-jobs", type=int, default=3, help="jobs for naive and forking")
     parser.add_argument("--json", type=Path, help="write the measurements here too")
+    parser.add_argument("--long-s", type=float, default=20.0, help="the long job's length")
     parser.add_argument(
         "--naive-one", nargs=3, metavar=("MODELS", "OUT", "SEED"), help=argparse.SUPPRESS
     )
@@ -101,6 +106,13 @@ def run(args: argparse.Namespace, work: Path) -> int:
         times = measure_fast(args, Redis.from_url(url), MODELS_DIR, work)
         times["naive"] = measure_naive(args, MODELS_DIR, work)
         times["forking"] = measure_forking(args, url, MODELS_DIR, work)
+    pace = {"KILN_TEST_PACE_S": str(args.long_s / LONG_STEPS)}
+    (work / "long").mkdir()
+    with (
+        private_redis(work / "long") as url,
+        running_worker(work / "long", MODEL, url, "tests.fixtures.paced_worker", pace),
+    ):
+        times.update(measure_long(args, Redis.from_url(url)))
     report(args, times)
     return 0
 
@@ -166,6 +178,21 @@ def measure_fast(
     times["redis_by_command"] = {k: v for k, v in sorted(per_command.items()) if v}
     times["redis_cmds"] = sum(per_command.values())
     return times
+
+
+def measure_long(args: argparse.Namespace, conn: Any) -> dict[str, Any]:
+    """One job of about --long-s seconds, waited on by its client: commands and seconds."""
+    from api_client import KilnClient
+
+    client = KilnClient(connection=conn)
+    client.submit(request(2, args.size, 0)).wait(timeout=300)  # loaded and warm
+    before = _commands(conn)
+    result = client.submit(request(LONG_STEPS, args.size, 1)).wait(timeout=args.long_s * 5)
+    after = _commands(conn)
+    return {
+        "long_s": result.timings.total,
+        "long_cmds": sum(after.values()) - sum(before.values()),
+    }
 
 
 def _commands(conn: Any) -> dict[str, int]:
@@ -247,11 +274,14 @@ def report(args: argparse.Namespace, times: dict[str, Any]) -> None:
         )
     by_command = ", ".join(f"{k} {v:.1f}" for k, v in times["redis_by_command"].items())
     print(f"redis commands per job: {by_command}")
+    print(f"a {times['long_s']:.1f} s job: {times['long_cmds']} Redis commands in all")
     summary = {
         "queue_vs_bare": med("queue") / med("bare"),
         "engine_vs_bare": med("engine") / med("bare"),
         "naive_vs_queue": med("naive") / med("queue"),
         "redis_cmds_per_job": times["redis_cmds"],
+        "redis_cmds_per_s_rendering": (times["long_cmds"] - times["redis_cmds"])
+        / times["long_s"],
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +296,7 @@ def report(args: argparse.Namespace, times: dict[str, Any]) -> None:
         f" engine_vs_bare={summary['engine_vs_bare']:.3f}"
         f" naive_vs_queue={summary['naive_vs_queue']:.1f}"
         f" redis_cmds_per_job={summary['redis_cmds_per_job']:.1f}"
+        f" redis_cmds_per_s_rendering={summary['redis_cmds_per_s_rendering']:.2f}"
     )
 
 
