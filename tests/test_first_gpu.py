@@ -276,8 +276,10 @@ def test_a_result_on_disk_answers_only_the_request_it_came_from(settings: Any) -
     first = renderer.render(request, LocalContext("same-id"))
     again = renderer.render(request, LocalContext("same-id"))
     assert again.images == first.images
-    # Answered from disk, not rendered: its one record is the first render's, written then.
-    assert [r.job_id for r in records(settings.timings_log)] == ["same-id"]
+    # Answered from disk, not rendered: the second call's record says so, with the render's
+    # phases and who rendered it, and is kept out of medians and fits.
+    answers = [(r.job_id, r.answered_from, r.steady) for r in records(settings.timings_log)]
+    assert answers == [("same-id", "render", False), ("same-id", "store", False)]
     image = Path(first.images[0].path).read_bytes()
     with pytest.raises(OtherRequest, match=r"same-id.*different request"):
         renderer.render({**request, "prompt": "a wolf"}, LocalContext("same-id"))
