@@ -16,7 +16,7 @@ from rq.command import send_kill_horse_command, send_shutdown_command
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.cancels_in_phase import cancel_in
 from tests.helpers import make_renderer, records
-from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait_until
+from tests.workers import WorkerProcess, paced, slow_manifests, wait_until
 from worker.queue import make_worker
 
 
@@ -71,5 +71,3 @@ def test_a_cancel_during_a_phase_is_taken_at_the_next_boundary(
     job_dir = settings.output_dir / job.id
     assert not job_dir.exists() or not [p for p in job_dir.iterdir() if p.is_file()]
 
-
-del SLOW_MODEL  # the slow model's manifests come with slow_manifests()
