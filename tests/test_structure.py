@@ -10,9 +10,9 @@ from tests.conftest import ROOT
 
 def _imports() -> dict[str, set[str]]:
     modules = {
-        f"{path.parent.name}.{path.stem}": path
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
         for package in ("worker", "api_client")
-        for path in (ROOT / package).glob("*.py")
+        for path in (ROOT / package).rglob("*.py")
     }
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
