@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from api_client.errors import Problem, RequestRejected
 from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest, Rung
 
-Family = Literal["sd15", "sd2", "sdxl", "sd3"]
+Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
 Scheduler = Literal[
     "dpmsolver",
     "euler",
@@ -32,7 +40,46 @@ SwitchName = Literal[
     "attention_slicing",
     "taesd_preview",
 ]
-QuantScheme = Literal["int8", "int8_dynamic", "int4", "fp8"]
+# float8: torchao float8 weights, only where the card has fp8 math (sm89+, MI300); the others are
+# integer weight schemes that run wherever torchao's kernels do.
+QuantScheme = Literal["float8", "int8", "int8_dynamic", "int4"]
+
+# Pixels per latent cell: the VAE's 8x, times the 2x2 patch of the transformer families.
+GRID: dict[str, int] = {
+    "sd15": 8,
+    "sd2": 8,
+    "sdxl": 8,
+    "sd3": 16,
+    "flux": 16,
+    "flux2": 16,
+    "qwenimage": 16,
+    "zimage": 16,
+}
+
+
+@dataclass(frozen=True)
+class CfgRule:
+    """Which request field runs a family's classifier-free guidance, and above what value.
+
+    A negative prompt only steers a render through that guidance, so without it a negative
+    prompt is refused rather than ignored."""
+
+    field: Literal["guidance", "true_cfg"]
+    above: float
+
+
+CFG: dict[str, CfgRule] = {
+    "sd15": CfgRule("guidance", 1.0),
+    "sd2": CfgRule("guidance", 1.0),
+    "sdxl": CfgRule("guidance", 1.0),
+    "sd3": CfgRule("guidance", 1.0),
+    "flux2": CfgRule("guidance", 1.0),  # FLUX.2 klein base; the distilled klein caps guidance at 1
+    "zimage": CfgRule("guidance", 0.0),  # ZImagePipeline runs CFG for any guidance above 0
+    # FLUX.1's guidance is an embedding the distilled model was trained with, not CFG; FLUX.1 and
+    # Qwen-Image run true CFG (a second pass on the negative prompt) through true_cfg.
+    "flux": CfgRule("true_cfg", 1.0),
+    "qwenimage": CfgRule("true_cfg", 1.0),
+}
 
 
 class _Strict(BaseModel):
@@ -73,11 +120,24 @@ class Manifest(_Strict):
     scheduler: Scheduler | None = None
     steps: StepRange
     guidance: GuidanceRange
+    # True CFG with a negative prompt (flux, qwenimage); absent: not allowed.
+    true_cfg: GuidanceRange | None = None
     resolutions: list[tuple[int, int]] = Field(min_length=1)
+    # Prompt tokens the text encoder reads (the pipeline's max_sequence_length; FLUX.1-schnell's
+    # T5 was trained on 256, the pipeline's default is 512). None: the pipeline's default.
+    max_sequence_length: int | None = Field(default=None, ge=16, le=1024)
     min_vram_gb: float = Field(ge=0)
     rung_vram_gb: dict[Rung, float] = Field(default_factory=dict)
-    quantize: dict[str, QuantScheme] = Field(default_factory=dict)
+    # 16-bit weight size of each component. When given, min_vram_gb and rung_vram_gb are the
+    # figures with nothing quantized, and the ladder counts each component at the precision and
+    # quantization this card gives it (worker.ladder.rung_need_gb).
+    component_gb: dict[str, float] = Field(default_factory=dict)
+    # Component -> schemes in order of preference; the first the card can run is used.
+    quantize: dict[str, list[QuantScheme]] = Field(default_factory=dict)
     compile: Literal["auto", "required", "off"] = "auto"
+    # regional: compile_repeated_blocks; whole: the denoiser at once; auto: regional where the
+    # denoiser declares repeated blocks.
+    compile_method: Literal["auto", "regional", "whole"] = "auto"
     benchmark_only: bool = False
     optimizations: dict[SwitchName, Switch] = Field(default_factory=dict)
     # An AutoencoderTiny (TAESD) for cheap previews while denoising: hub id or local directory.
@@ -86,17 +146,75 @@ class Manifest(_Strict):
     # VAE that does not overflow in fp16, so an fp16 card decodes without an fp32 upcast.
     vae: str | None = Field(default=None, min_length=1)
 
+    @field_validator("true_cfg")
+    @classmethod
+    def _true_cfg_family(cls, value: GuidanceRange | None, info: ValidationInfo) -> object:
+        family = info.data.get("family")
+        if value is not None and family is not None and CFG[family].field != "true_cfg":
+            raise ValueError(f"family {family} has no true CFG; its CFG is guidance")
+        return value
+
     @field_validator("resolutions")
     @classmethod
-    def _sizes_are_latent_aligned(cls, sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _sizes_on_the_grid(
+        cls, sizes: list[tuple[int, int]], info: ValidationInfo
+    ) -> list[tuple[int, int]]:
+        family = info.data.get("family")
+        grid = GRID.get(family or "", 8)
         for width, height in sizes:
             if width < 64 or height < 64 or width > 4096 or height > 4096:
                 raise ValueError(f"{width}x{height} is outside 64..4096 px")
-            if width % 8 or height % 8:
+            if width % grid or height % grid:
+                why = "the VAE's 8x" + (" times the 2x2 patch" if grid == 16 else "")
                 raise ValueError(
-                    f"{width}x{height} is not a multiple of 8 (the VAE's downscale factor)"
+                    f"{width}x{height} is off the {family} grid: width and height must be a"
+                    f" multiple of {grid} ({why})"
                 )
         return sizes
+
+    @field_validator("max_sequence_length")
+    @classmethod
+    def _long_prompt_encoder(cls, tokens: int | None, info: ValidationInfo) -> int | None:
+        family = info.data.get("family")
+        if tokens is not None and family in ("sd15", "sd2", "sdxl"):
+            raise ValueError(f"family {family} reads prompts with CLIP alone (77 tokens)")
+        return tokens
+
+    @field_validator("component_gb")
+    @classmethod
+    def _sizes_positive(cls, sizes: dict[str, float]) -> dict[str, float]:
+        for component, size in sizes.items():
+            if size <= 0:
+                raise ValueError(f"{component} is {size} GB; must be > 0")
+        return sizes
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _schemes_as_lists(cls, wanted: object) -> object:
+        """`{text_encoder_3: int8}` is a list of one; a list must name each scheme once."""
+        if not isinstance(wanted, dict):
+            return wanted
+        lists = {c: [s] if isinstance(s, str) else s for c, s in wanted.items()}
+        for component, schemes in lists.items():
+            if isinstance(schemes, list) and (not schemes or len(set(schemes)) < len(schemes)):
+                raise ValueError(
+                    f"{component}: {schemes!r} must name one or more schemes, once each"
+                )
+        return lists
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantized_are_sized(
+        cls, wanted: dict[str, list[str]], info: ValidationInfo
+    ) -> dict[str, list[str]]:
+        sizes = info.data.get("component_gb") or {}
+        unsized = sorted(set(wanted) - set(sizes))
+        if sizes and unsized:
+            raise ValueError(
+                f"{', '.join(unsized)} must have a size in component_gb too, or the ladder"
+                " cannot count what quantizing saves"
+            )
+        return wanted
 
     @field_validator("rung_vram_gb")
     @classmethod
@@ -145,13 +263,16 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             Problem("steps", steps, f"must be between 1 and {manifest.steps.max} (manifest max)")
         )
     if not math.isfinite(guidance) or not 0 <= guidance <= manifest.guidance.max:
+        hint = "; its CFG is true_cfg" if manifest.true_cfg is not None else ""
         problems.append(
             Problem(
                 "guidance",
                 guidance,
-                f"must be between 0 and {manifest.guidance.max} (manifest cap)",
+                f"must be between 0 and {manifest.guidance.max} (manifest cap{hint})",
             )
         )
+    true_cfg = _true_cfg(request, manifest, problems)
+    problems += _negative_prompt_problems(request, manifest, guidance, true_cfg)
     if (width, height) not in {tuple(size) for size in manifest.resolutions}:
         allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
         problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
@@ -167,11 +288,51 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         update={
             "steps": steps,
             "guidance": float(guidance),
+            "true_cfg": true_cfg,
             "width": width,
             "height": height,
             "seed": seed,
         }
     )
+
+
+def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:
+    """The request's true CFG scale, the manifest's default, or None where the model has none."""
+    allowed = manifest.true_cfg
+    if allowed is None:
+        if request.true_cfg is not None:
+            problems.append(
+                Problem("true_cfg", request.true_cfg, f"model {manifest.id} has no true CFG")
+            )
+        return None
+    value = allowed.default if request.true_cfg is None else request.true_cfg
+    if not math.isfinite(value) or not 1 <= value <= allowed.max:
+        problems.append(
+            Problem(
+                "true_cfg",
+                value,
+                f"must be between 1 (off) and {allowed.max} (manifest cap)",
+            )
+        )
+    return float(value)
+
+
+def _negative_prompt_problems(
+    request: RenderRequest, manifest: Manifest, guidance: float, true_cfg: float | None
+) -> list[Problem]:
+    """A negative prompt steers only through the family's CFG; without it, it would be ignored."""
+    if not request.negative_prompt.strip():
+        return []
+    rule = CFG[manifest.family]
+    value = guidance if rule.field == "guidance" else true_cfg
+    if value is not None and value > rule.above:
+        return []
+    if value is None:
+        why = f"model {manifest.id} has no true CFG (its manifest allows no true_cfg)"
+    else:
+        why = f"{rule.field} is {value:g}; the negative prompt needs {rule.field} above"
+        why += f" {rule.above:g} on {manifest.id}, or it has no effect"
+    return [Problem("negative_prompt", request.negative_prompt[:40], why)]
 
 
 def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Manifest:

@@ -48,6 +48,9 @@ class RenderRequest(BaseModel):
     width: int | None = None
     height: int | None = None
     seed: int | None = None
+    # True CFG with a negative prompt (flux, qwenimage), where the manifest's true_cfg allows it;
+    # guidance is then FLUX.1's embedded guidance, not CFG.
+    true_cfg: float | None = None
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
@@ -167,6 +170,7 @@ class RenderResult(BaseModel):
     seed: int
     steps: int
     guidance: float
+    true_cfg: float | None = None
     width: int
     height: int
     rung: str

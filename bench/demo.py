@@ -75,9 +75,9 @@ def run(url: str, suite_path: Path, started: float) -> int:
     from worker.tiny import build_tiny_models
 
     t0 = time.perf_counter()
-    build_tiny_models(settings.models_dir)
+    built = build_tiny_models(settings.models_dir)
     console.print(
-        f"[bold]models[/]: tiny-sd15, tiny-sdxl, tiny-sd3 in {settings.models_dir} "
+        f"[bold]models[/]: {', '.join(built)} in {settings.models_dir} "
         f"({time.perf_counter() - t0:.1f} s)"
     )
 

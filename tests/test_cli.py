@@ -13,6 +13,10 @@ import pytest
 from redis import Redis
 
 from tests.conftest import ROOT, kiln
+from tests.helpers import client_for, records
+from worker.tiny import TINY_FAMILIES
+
+NEW_FAMILIES = ["tiny-flux", "tiny-flux2", "tiny-qwenimage", "tiny-zimage"]
 
 NO_TORCH = """import sys
 try:
@@ -87,6 +91,46 @@ def test_submit_wait_json_through_a_real_worker_process(
     assert len(timing) == 2 and all(line["status"] == "done" for line in timing)
 
 
+def test_the_new_families_render_through_kiln_worker_burst(
+    kiln_env: dict[str, str], redis_conn: Redis, settings: Any
+) -> None:
+    """FLUX.1, FLUX.2 klein, Qwen-Image and Z-Image through `kiln worker --burst`: one full
+    record each, with every phase, the rung, the dtype and why, and the quantization picked."""
+    client = client_for(redis_conn, settings)
+    jobs = {
+        model: client.submit({"model": model, "prompt": "a red fox", "seed": 3})
+        for model in NEW_FAMILIES
+    }
+    steered = client.submit(
+        {"model": "tiny-flux", "prompt": "a fox", "negative_prompt": "blur", "true_cfg": 3.0}
+    )
+    done = kiln("worker", "--burst", "--models", ",".join(NEW_FAMILIES), env=kiln_env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    by_job = {record.job_id: record for record in records(settings.timings_log)}
+    for model, job in [*jobs.items(), ("tiny-flux", steered)]:
+        record = by_job[job.id]
+        assert (record.status, record.model, record.rung, record.dtype) == (
+            "done",
+            model,
+            "full",
+            "fp32",
+        )
+        t = record.timings
+        assert min(t.text_encode, t.denoise, t.decode, t.image_encode) > 0, model
+        result = job.wait(timeout=5)
+        assert [(i.width, i.height) for i in result.images] == [(128, 128)]
+        assert any(
+            n.name == "precision" and "fp32 on CPU" in n.reason for n in result.settings.applied
+        )
+    # transformer: [float8, int8]: no fp8 math on a CPU, so int8, for real.
+    for model in ("tiny-flux", "tiny-qwenimage"):
+        assert by_job[jobs[model].id].quantized == {"transformer": "int8"}
+    assert (steered.wait(timeout=5).true_cfg, jobs["tiny-flux"].wait(timeout=5).true_cfg) == (
+        3.0,
+        1.0,
+    )
+
+
 def test_manifests_publish_then_client_validates_against_redis(
     kiln_env: dict[str, str], redis_conn: Redis
 ) -> None:
@@ -99,8 +143,8 @@ def test_tiny_models_verb_builds_into_a_directory(tmp_path: Path, kiln_env: dict
     started = time.perf_counter()
     done = kiln("tiny-models", str(tmp_path / "m"), env=kiln_env)
     assert done.returncode == 0, done.stderr
-    for name in ("tiny-sd15", "tiny-sdxl", "tiny-sd3"):
-        assert (tmp_path / "m" / name / "model_index.json").is_file()
+    for family in TINY_FAMILIES:
+        assert (tmp_path / "m" / f"tiny-{family}" / "model_index.json").is_file()
     assert time.perf_counter() - started < 120  # generous: a cold interpreter imports diffusers
 
 

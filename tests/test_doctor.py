@@ -17,11 +17,11 @@ def test_doctor_reports_the_machine_and_a_models_switches(kiln_env: dict[str, st
         "sdpa kernels: math yes",
         "KILN_COMPILE=auto -> off (auto: CPU)",
         "int8: ok",
-        "fp8: skipped (fp8 needs a CUDA device",
+        "float8: skipped (float8 needs a CUDA or ROCm device",
         "redis         reachable at",
         "model tiny-sd3",
         "rung          full",
-        "applied       quantize:text_encoder_3: torchao int8",
+        "applied       quantize:text_encoder_3: torchao int8 on",
         "applied       taesd_preview:",
         "skipped       compile: auto: off on CPU",
     ):

@@ -159,7 +159,7 @@ def test_int8_leaves_inductors_global_settings_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
     monkeypatch.setattr(inductor, "force_fuse_int_mm_with_mul", False)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    assert quantize_component(layer, "int8", CPU) is None
+    assert quantize_component(layer, "int8") is None
     assert type(layer[0].weight).__name__ == "Int8Tensor"
     assert inductor.coordinate_descent_tuning is False
     assert inductor.force_fuse_int_mm_with_mul is False
@@ -181,9 +181,9 @@ def test_doctor_tries_each_scheme_for_real(monkeypatch: pytest.MonkeyPatch) -> N
     verdicts = worker.doctor._torchao(simulate("h100", CPU))
     assert verdicts["int4"] == "fails on cpu (ImportError: Requires mslk >= 1.0.0)"
     assert verdicts["int8"].startswith("ok (quantized and ran a linear layer on cpu")
-    assert ("fp8", "cpu") in tried  # the card allows fp8; the real device is asked too
+    assert ("float8", "cpu") in tried  # the card allows float8; the real device is asked too
     t4 = worker.doctor._torchao(simulate("t4", CPU))
-    assert t4["fp8"].startswith("skipped (fp8 needs compute capability 8.9+")
+    assert t4["float8"].startswith("skipped (float8 needs fp8 math (compute capability 8.9+")
 
 
 # -- the memory probe off Linux ---------------------------------------------------------------

@@ -36,7 +36,7 @@ def test_shipped_manifests_are_valid() -> None:
         "sd35-medium",
     }
     assert expected <= set(manifests)
-    assert manifests["sd35-medium"].quantize == {"text_encoder_3": "int8"}
+    assert manifests["sd35-medium"].quantize == {"text_encoder_3": ["int8"]}
     for distilled in ("sd-turbo", "sdxl-turbo", "ssd-1b-lightning"):
         assert manifests[distilled].guidance.default == 0
         assert manifests[distilled].guidance.max == 2
@@ -50,6 +50,9 @@ BROKEN = [
     ("max below default", None, "steps", "must be >= default"),
     ("id differs from stem", None, "id", "file stem"),
     ("size not multiple of 8", None, "resolutions", "multiple of 8"),
+    ("size off a flux grid", None, "resolutions", "off the flux grid"),
+    ("true_cfg for a CFG family", None, "true_cfg", "its CFG is guidance"),
+    ("quantize scheme twice", None, "quantize", "once each"),
     ("unknown family", None, "family", "sd15"),
 ]
 
@@ -66,6 +69,12 @@ def _broken_text(case: str) -> str:
         return text.replace("id: bad", "id: other")
     if case == "size not multiple of 8":
         return text.replace("[[128, 128]]", "[[130, 128]]")
+    if case == "size off a flux grid":
+        return text.replace("family: sd15", "family: flux").replace("[[128, 128]]", "[[136, 128]]")
+    if case == "true_cfg for a CFG family":
+        return text + "true_cfg: {default: 4.0, max: 8.0}\n"
+    if case == "quantize scheme twice":
+        return text + "quantize: {unet: [int8, int8]}\n"
     if case == "unknown family":
         return text.replace("family: sd15", "family: dalle")
     raise AssertionError(case)

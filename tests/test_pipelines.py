@@ -62,11 +62,11 @@ def test_int8_quantizes_the_named_text_encoder(redis_conn: Redis, make_settings:
 
 def test_a_scheme_this_device_cannot_run_is_skipped_with_its_reason(settings: Any) -> None:
     manifest = load_manifests(settings.manifests, ["tiny-sd3"])["tiny-sd3"]
-    manifest = manifest.model_copy(update={"quantize": {"text_encoder_3": "fp8"}})
+    manifest = manifest.model_copy(update={"quantize": {"text_encoder_3": ["float8"]}})
     loaded = load_pipeline(manifest, "full", CPU, settings, FaultPlan())
     assert loaded.quantized == {}
     [note] = [n for n in loaded.settings.skipped if n.name == "quantize:text_encoder_3"]
-    assert "fp8 needs a CUDA device" in note.reason
+    assert "float8 needs a CUDA or ROCm device" in note.reason
 
 
 def test_switches_follow_settings_and_manifest_overrides(make_settings: Any) -> None:

@@ -9,46 +9,66 @@ from typing import Any
 
 import pytest
 
-from api_client.manifest import Manifest
 from tests.conftest import kiln
 from worker.context import LocalContext
-from worker.device import DeviceInfo
-from worker.ladder import pick_rung, planning_gb
+from worker.device import DeviceInfo, probe
+from worker.ladder import pick_rung
+from worker.loading import fit_for
 from worker.manifest import load_manifests
 from worker.plan import plan_model
-from worker.profiles import GIB, PROFILES, parse_profile, profile_for
+from worker.profiles import GIB, PROFILES, profile_for
 from worker.render import Renderer
 from worker.timings import TimingRecord
 
 CPU_INFO = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
 # The real model each tiny family stands in for: its memory needs decide the rung.
-REAL_MODEL = {"sd15": "sd-turbo", "sdxl": "sdxl-base", "sd3": "sd35-medium"}
+REAL_MODEL = {
+    "sd15": "sd-turbo",
+    "sdxl": "sdxl-base",
+    "sd3": "sd35-medium",
+    "flux": "flux1-dev",
+    "flux2": "flux2-klein-4b",
+    "qwenimage": "qwen-image",
+    "zimage": "z-image-turbo",
+}
 # Every shipped profile, plus a T4 with 5 GiB free (another process holds the rest).
 MATRIX_PROFILES = [*PROFILES, "t4:5"]
-FAMILIES = ["sd15", "sdxl", "sd3"]
-# Budgets that land a tiny model (full 0.1 GB, model_offload 0.05, group_offload 0.02) on a rung.
+FAMILIES = list(REAL_MODEL)
+UNETS = ("sd15", "sdxl")
+# Budgets that land a tiny model (full 0.1 GB, model_offload 0.05, group_offload 0.02 at 16 bit;
+# twice that in fp32) on a rung.
 TINY_BUDGET = {"full": None, "model_offload": 0.07, "group_offload": 0.03}
-# The rungs the real models get where they do not fit fully (all others: full), worked by hand
-# from the manifests: a T4 plans with 15 GiB free = 16.11 GB - 0.5 reserve = 15.61 GB, at 5 GiB
-# free with 4.87 GB, and sd3 runs fp32 there (no bf16), which halves what it plans with.
+# The rungs the real models get where they do not fit fully (all others: full), as the README's
+# table of plans shows: a T4 plans with 15 GiB free = 16.11 GB - 0.5 reserve = 15.61 GB, at 5 GiB
+# free with 4.87 GB, and the flow transformers run fp32 there (no bf16), which doubles their needs.
 LOW_RUNGS = {
-    ("sd3", "t4"): "group_offload",  # sd35-medium: model_offload needs 12.5 > 7.80
-    ("sdxl", "t4:5"): "group_offload",  # sdxl-base: model_offload needs 6.0
-    ("sd3", "t4:5"): "group_offload",  # sd35-medium: model_offload needs 12.5
+    ("sd3", "t4"): "group_offload",  # sd35-medium: model_offload needs 25.0 in fp32
+    ("flux", "t4"): "model_offload",  # flux1-dev: int8 transformer 11.9 + fp32 working 1.4
+    ("flux2", "t4"): "group_offload",
+    ("qwenimage", "t4"): "group_offload",
+    ("qwenimage", "l4"): "model_offload",  # qwen-image: 37.75 GB resident even quantized
+    ("qwenimage", "mps"): "model_offload",
+    ("zimage", "t4"): "group_offload",
+    ("zimage", "l4"): "model_offload",  # z-image-turbo: 26 GB resident
+    ("zimage", "mps"): "model_offload",
+    **{(family, "t4:5"): "group_offload" for family in FAMILIES if family != "sd15"},
 }
+FP8_CARDS = {name for name, profile in PROFILES.items() if profile.fp8}
 
 
 def expected_dtype(family: str, profile: str) -> str:
     if profile.startswith("t4"):
-        return "fp32" if family == "sd3" else "fp16"  # sd3 must not run in fp16; T4 lacks bf16
+        return "fp16" if family in UNETS else "fp32"  # T4 lacks bf16; the rest must not run fp16
     return "bf16"
 
 
-def real_rung(manifests: dict[str, Manifest], family: str, profile: str, reserve: float) -> str:
-    card, free_gib = parse_profile(profile)
-    usable = (free_gib if free_gib is not None else card.free_gib) * GIB / 1e9 - reserve
-    fp32 = expected_dtype(family, profile) == "fp32"
-    return pick_rung(manifests[REAL_MODEL[family]], planning_gb(usable, fp32), "auto").rung
+def real_rung(family: str, profile: str, settings: Any) -> str:
+    """The rung the family's real model gets on the card, by the ladder's own arithmetic."""
+    as_card = settings.model_copy(update={"device_profile": profile})
+    info = probe(as_card)
+    manifest = load_manifests(settings.manifests, [REAL_MODEL[family]])[REAL_MODEL[family]]
+    usable = info.free_bytes / 1e9 - settings.vram_reserve_gb
+    return pick_rung(manifest, usable, "auto", fit_for(manifest, info, as_card)).rung
 
 
 @pytest.mark.parametrize("profile", MATRIX_PROFILES)
@@ -56,11 +76,13 @@ def real_rung(manifests: dict[str, Manifest], family: str, profile: str, reserve
 def test_family_renders_as_the_profiled_card_would(
     family: str, profile: str, make_settings: Any
 ) -> None:
-    real = load_manifests(make_settings().manifests)
-    rung = real_rung(real, family, profile, make_settings().vram_reserve_gb)
+    rung = real_rung(family, profile, make_settings())
     assert rung == LOW_RUNGS.get((family, profile), "full")
     model = f"tiny-{family}"
-    settings = make_settings(device_profile=profile, vram_budget_gb=TINY_BUDGET[rung])
+    budget = TINY_BUDGET[rung]
+    if budget is not None and expected_dtype(family, profile) == "fp32":
+        budget *= 2
+    settings = make_settings(device_profile=profile, vram_budget_gb=budget)
     finished: list[TimingRecord] = []
     manifests = load_manifests(settings.manifests, [model])
     renderer = Renderer(settings, manifests, on_record=finished.append)
@@ -75,8 +97,8 @@ def test_family_renders_as_the_profiled_card_would(
     assert result.simulated_device == record.simulated_device == name
     assert (result.rung, result.dtype) == (rung, expected_dtype(family, profile))
     applied, skipped = result.settings.names("applied"), result.settings.names("skipped")
-    # channels_last: the conv UNets on every accelerator; SD3's transformer never.
-    assert ("channels_last" in applied) == (family != "sd3")
+    # channels_last: the conv UNets on every accelerator; the transformers never.
+    assert ("channels_last" in applied) == (family in UNETS)
     # The fp16 SDXL VAE is held in fp32 from load, whatever the rung.
     assert ("vae_upcast" in applied) == (family == "sdxl" and profile.startswith("t4"))
     loaded = renderer.cache.get(model)
@@ -92,6 +114,10 @@ def test_family_renders_as_the_profiled_card_would(
     assert not result.compiled and "compile" in skipped
     if family == "sd3":
         assert result.quantized == {"text_encoder_3": "int8"}
+    if family in ("flux", "qwenimage"):
+        # [float8, int8]: float8 where the card has fp8 math, run for real on this CPU's tensors.
+        scheme = "float8" if name in FP8_CARDS else "int8"
+        assert result.quantized == {"transformer": scheme}
     # `kiln doctor --profile` decides without loading; it must say what this load did.
     plan = plan_model(loaded.manifest, renderer.info, settings, renderer.usable_gb())
     assert (plan.rung, plan.dtype) == (result.rung, result.dtype)
@@ -127,8 +153,8 @@ def test_doctor_profile_prints_each_models_plan_and_fails_where_one_cannot_run(
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
     assert "profile       t4: decisions as Tesla T4 (simulated)" in out and "source  " in out
-    assert "  sdxl-base          group_offload  fp16   NO" in out
-    assert "  tiny-sd15          full           fp16   yes" in out
+    assert "  sdxl-base          group_offload  fp16     3.00 GB  NO" in out
+    assert "  tiny-sd15          full           fp16     0.10 GB  yes" in out
     assert "CANNOT RUN    needs 3.00 GB even at group_offload; 1.65 GB usable" in out
     unknown = kiln("doctor", "--profile", "v100", env=kiln_env)
     assert unknown.returncode == 2 and "unknown device profile 'v100'" in unknown.stdout

@@ -119,3 +119,78 @@ def test_request_model_is_strict_and_frozen() -> None:
     request = RenderRequest(model="m", prompt="p")
     with pytest.raises(ValidationError):
         request.steps = 3  # type: ignore[misc]
+
+
+# The families' guidance rules (issue 16): what each refuses names field, value and rule.
+FAMILY_REJECTIONS = [
+    (
+        "negative prompt without true CFG on flux",
+        {"model": "tiny-flux", "negative_prompt": "blurry"},
+        "negative_prompt",
+        "true_cfg is 1; the negative prompt needs true_cfg above 1 on tiny-flux",
+    ),
+    (
+        "true_cfg on a model without it",
+        {"model": "tiny-zimage", "true_cfg": 3.0},
+        "true_cfg",
+        "model tiny-zimage has no true CFG",
+    ),
+    (
+        "true_cfg over its cap",
+        {"model": "tiny-flux", "true_cfg": 9.0},
+        "true_cfg",
+        "between 1 (off) and 8.0",
+    ),
+    (
+        "guidance on a true-CFG model",
+        {"model": "tiny-qwenimage", "guidance": 4.0},
+        "guidance",
+        "its CFG is true_cfg",
+    ),
+    (
+        "negative prompt on a CFG-free turbo",
+        {"model": "tiny-zimage", "negative_prompt": "blurry"},
+        "negative_prompt",
+        "guidance is 0; the negative prompt needs guidance above 0",
+    ),
+    (
+        "negative prompt with CFG off on sd15",
+        {"model": "tiny-sd15", "guidance": 1.0, "negative_prompt": "blurry"},
+        "negative_prompt",
+        "needs guidance above 1",
+    ),
+    (
+        "size off the flux grid",
+        {"model": "tiny-flux", "width": 136, "height": 128},
+        "width x height",
+        "must be one of 128x128",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "overrides", "field", "rule"),
+    FAMILY_REJECTIONS,
+    ids=[r[0] for r in FAMILY_REJECTIONS],
+)
+def test_family_rules_refuse_at_submit(
+    redis_conn: Redis, settings: Any, label: str, overrides: dict[str, Any], field: str, rule: str
+) -> None:
+    with pytest.raises(RequestRejected) as caught:
+        client_for(redis_conn, settings).submit({**BASE, **overrides})
+    assert [p.field for p in caught.value.problems] == [field]
+    assert rule in str(caught.value), str(caught.value)
+    assert redis_conn.keys("rq:job:*") == []
+
+
+def test_family_defaults_and_what_they_allow(redis_conn: Redis, settings: Any) -> None:
+    client = client_for(redis_conn, settings)
+    qwen = client.validate({"model": "tiny-qwenimage", "prompt": "p", "negative_prompt": "blur"})
+    assert (qwen.guidance, qwen.true_cfg) == (0.0, 4.0)  # true CFG on by default, as the card's
+    flux = client.validate({"model": "tiny-flux", "prompt": "p"})
+    assert (flux.guidance, flux.true_cfg) == (3.5, 1.0)  # embedded guidance; true CFG off
+    steered = client.validate(
+        {"model": "tiny-flux", "prompt": "p", "negative_prompt": "blur", "true_cfg": 3.0}
+    )
+    assert steered.true_cfg == 3.0
+    assert client.validate({"model": "tiny-sd15", "prompt": "p"}).true_cfg is None

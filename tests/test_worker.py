@@ -13,7 +13,15 @@ from api_client import RenderFailed
 from api_client.schema import PHASES
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 
-TINY_MODELS = ["tiny-sd15", "tiny-sdxl", "tiny-sd3"]
+TINY_MODELS = [
+    "tiny-sd15",
+    "tiny-sdxl",
+    "tiny-sd3",
+    "tiny-flux",
+    "tiny-flux2",
+    "tiny-qwenimage",
+    "tiny-zimage",
+]
 
 
 @pytest.mark.parametrize("model", TINY_MODELS)

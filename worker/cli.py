@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         help="decide as this card (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB): the rung,"
         " dtype, switches and quantize schemes of every manifest there; exit 1 if one cannot run",
     )
+    doctor.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: with --profile one object per manifest (model, runs, rung, dtype,"
+        " quantize, resident_gb, reason)",
+    )
     doctor.set_defaults(handler=_doctor)
 
     pull = verbs.add_parser(
@@ -310,7 +316,7 @@ def _manifests_publish(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from worker.doctor import run_doctor
 
-    return run_doctor(_settings(), model=args.model, profile=args.profile)
+    return run_doctor(_settings(), model=args.model, profile=args.profile, as_json=args.json)
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ card would do with every manifest. Over 300 lines because the three share one pr
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -71,7 +72,12 @@ class DoctorReport:
         return self.redis_ok and model_ok
 
 
-def run_doctor(settings: Settings, model: str | None = None, profile: str | None = None) -> int:
+def run_doctor(
+    settings: Settings,
+    model: str | None = None,
+    profile: str | None = None,
+    as_json: bool = False,
+) -> int:
     if profile is not None:
         from worker.profiles import parse_profile
 
@@ -84,8 +90,28 @@ def run_doctor(settings: Settings, model: str | None = None, profile: str | None
     report = collect(settings, model)
     if profile is not None:
         report.plans, report.served = plan_manifests(settings, report)
-    print(format_report(report, settings))
+    if as_json:
+        print(json.dumps(_json_report(report), indent=2))
+    else:
+        print(format_report(report, settings))
     return 0 if report.ok else 1
+
+
+def _json_report(report: DoctorReport) -> list[dict[str, object]] | dict[str, object]:
+    """With --profile: one object per manifest; without: the machine's summary as an object."""
+    if report.plans is not None:
+        return [{**p.as_json(), "served": p.model in report.served} for p in report.plans]
+    info = report.info
+    return {
+        "device": {"backend": info.backend, "name": info.name, "torch_device": info.torch_device},
+        "usable_gb": round(report.usable_gb, 2),
+        "versions": report.versions,
+        "compile": report.compile,
+        "torchao": report.torchao,
+        "redis": report.redis,
+        "ok": report.ok,
+        "model": None if report.model is None else report.model.error or report.model.rung,
+    }
 
 
 def plan_manifests(
@@ -169,11 +195,15 @@ def _profile_lines(info: DeviceInfo) -> list[str]:
 
 
 def _plan_lines(plans: list[ModelPlan], served: tuple[str, ...]) -> list[str]:
-    lines = ["plans", f"  {'model':<18} {'rung':<14} {'dtype':<6} runs"]
+    lines = ["plans", f"  {'model':<18} {'rung':<14} {'dtype':<6} {'resident':>9}  runs  quantize"]
     for plan in plans:
-        runs = "yes" if plan.runs else "NO"
+        runs = "yes" if plan.runs else "NO "
         note = "" if plan.model in served else " (benchmark only)"
-        lines.append(f"  {plan.model:<18} {plan.rung:<14} {plan.dtype:<6} {runs}{note}")
+        quantized = ", ".join(f"{c} {s or 'none'}" for c, s in plan.quantize.items()) or "-"
+        lines.append(
+            f"  {plan.model:<18} {plan.rung:<14} {plan.dtype:<6} {plan.resident_gb:>6.2f} GB"
+            f"  {runs}   {quantized}{note}"
+        )
     for plan in plans:
         lines += [
             f"model {plan.model}",
@@ -181,7 +211,11 @@ def _plan_lines(plans: list[ModelPlan], served: tuple[str, ...]) -> list[str]:
             f"  dtype         {plan.dtype} ({plan.dtype_reason})",
         ]
         lines += [f"  {kind:<13} {name}: {reason}" for kind, name, reason in plan.switches]
-        lines += [f"  quantize      {c} {verdict}" for c, verdict in plan.quantize.items()]
+        lines.append(f"  resident      {plan.resident_gb:.2f} GB on the device at {plan.rung}")
+        lines += [
+            f"  quantize      {c}: {plan.quantize[c] or 'none'} ({why})"
+            for c, why in plan.quantize_reasons.items()
+        ]
         lines += [f"  CANNOT RUN    {problem}" for problem in plan.problems]
     return lines
 
@@ -264,7 +298,7 @@ def _torchao(info: DeviceInfo) -> dict[str, str]:
     if version is None:
         return {"import": "not importable: every quantize entry will be skipped"}
     schemes = {}
-    for scheme in ("int8", "int8_dynamic", "int4", "fp8"):
+    for scheme in ("float8", "int8", "int8_dynamic", "int4"):
         reason = unsupported_reason(scheme, info)
         if reason is not None:
             schemes[scheme] = f"skipped ({reason})"

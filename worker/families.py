@@ -6,6 +6,7 @@ so each phase is timed, fault-injected and retried on its own.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,30 @@ from typing import Any
 import torch
 from PIL import Image
 
-Embeds = dict[str, torch.Tensor]
+from api_client.manifest import CFG
+
+Embeds = dict[str, Any]  # tensors; Z-Image takes a list of per-prompt tensors
+
+
+def cfg_active(family: str, guidance: float, true_cfg: float | None) -> bool:
+    """Whether the family's classifier-free guidance runs (and so needs negative embeddings)."""
+    rule = CFG[family]
+    value = guidance if rule.field == "guidance" else true_cfg
+    return value is not None and value > rule.above
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a text encode is asked for: the texts, the batch, and whether CFG needs a negative."""
+
+    text: str
+    negative: str
+    count: int
+    cfg: bool
+    max_tokens: int | None = None  # the manifest's max_sequence_length (T5 and Qwen encoders)
+
+    def tokens(self) -> dict[str, int]:
+        return {} if self.max_tokens is None else {"max_sequence_length": self.max_tokens}
 
 
 @dataclass(frozen=True)
@@ -21,42 +45,42 @@ class FamilySpec:
     """How kiln renders one family (api_client.manifest.Family names them)."""
 
     pipeline_class: str  # attribute of the diffusers package
-    encode: Callable[[Any, torch.device, str, str, int, bool], Embeds]
-    decode: Callable[[Any, torch.Tensor], list[Image.Image]]
-    fp16_safe: bool = True  # sd3 and flux overflow in fp16; they run bf16 or fp32
+    # (pipe, device, prompt) -> the pipeline call's embeddings, already repeated for the batch
+    encode: Callable[[Any, torch.device, Prompt], Embeds]
+    # (pipe, latents as the pipeline returns them with output_type="latent", width, height)
+    decode: Callable[[Any, torch.Tensor, int, int], list[Image.Image]]
+    # (guidance, true_cfg) -> the pipeline call's guidance arguments
+    guidance: Callable[[float, float | None], dict[str, Any]] = lambda g, _t: {"guidance_scale": g}
+    fp16_safe: bool = True  # sd3 and the flow transformers overflow in fp16: bf16 or fp32
     denoiser: str = "unet"
+    # TAESD previews need the loop's latents unpacked (B, C, H, W); FLUX and Qwen-Image pack
+    # them into 2x2 patch tokens.
+    previews: bool = True
 
 
-def _encode_sd15(
-    pipe: Any, device: torch.device, prompt: str, negative: str, count: int, cfg: bool
-) -> Embeds:
+def _encode_sd15(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
     positive, negative_embeds = pipe.encode_prompt(
-        prompt, device, count, cfg, negative_prompt=negative or None
+        p.text, device, p.count, p.cfg, negative_prompt=p.negative or None
     )
     embeds = {"prompt_embeds": positive}
-    if cfg:
+    if p.cfg:
         embeds["negative_prompt_embeds"] = negative_embeds
     return embeds
 
 
-def _encode_pooled(
-    pipe: Any, device: torch.device, prompt: str, negative: str, count: int, cfg: bool
-) -> Embeds:
+def _encode_pooled(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
     """sdxl and sd3 return (embeds, negative, pooled, negative pooled)."""
+    sd3 = hasattr(pipe, "tokenizer_3")
     positive, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
-        prompt=prompt,
+        prompt=p.text,
         device=device,
-        num_images_per_prompt=count,
-        do_classifier_free_guidance=cfg,
-        negative_prompt=negative or None,
-        **(
-            {"prompt_2": None, "prompt_3": None}
-            if hasattr(pipe, "tokenizer_3")
-            else {"prompt_2": None}
-        ),
+        num_images_per_prompt=p.count,
+        do_classifier_free_guidance=p.cfg,
+        negative_prompt=p.negative or None,
+        **({"prompt_2": None, "prompt_3": None, **p.tokens()} if sd3 else {"prompt_2": None}),
     )
     embeds = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
-    if cfg:
+    if p.cfg:
         embeds["negative_prompt_embeds"] = negative_embeds
         embeds["negative_pooled_prompt_embeds"] = negative_pooled
     return embeds
@@ -66,14 +90,14 @@ def _vae_device(vae: Any) -> torch.device:
     return torch.device(next(iter(vae.parameters())).device)
 
 
-def _decode_sd15(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
+def _decode_sd15(pipe: Any, latents: torch.Tensor, _w: int, _h: int) -> list[Image.Image]:
     vae = pipe.vae
     latents = latents.to(_vae_device(vae), vae.dtype) / vae.config.scaling_factor
     image = vae.decode(latents, return_dict=False)[0]
     return list(pipe.image_processor.postprocess(image, output_type="pil"))
 
 
-def _decode_sdxl(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
+def _decode_sdxl(pipe: Any, latents: torch.Tensor, _w: int, _h: int) -> list[Image.Image]:
     vae = pipe.vae
     # The SDXL VAE overflows in fp16 unless its config says otherwise; decode in fp32 then.
     upcast = vae.dtype == torch.float16 and vae.config.force_upcast
@@ -98,7 +122,8 @@ def _decode_sdxl(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
     return list(pipe.image_processor.postprocess(image, output_type="pil"))
 
 
-def _decode_sd3(pipe: Any, latents: torch.Tensor) -> list[Image.Image]:
+def _decode_sd3(pipe: Any, latents: torch.Tensor, _w: int = 0, _h: int = 0) -> list[Image.Image]:
+    """SD3 and Z-Image: the VAE's scale and shift, latents as the transformer left them."""
     vae = pipe.vae
     latents = latents.to(_vae_device(vae), vae.dtype)
     latents = latents / vae.config.scaling_factor + vae.config.shift_factor
@@ -115,6 +140,120 @@ def decode_preview(pipe: Any, taesd: Any, latents: torch.Tensor) -> Image.Image:
     return previews[0]
 
 
+def _encode_flux(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    """CLIP's pooled vector and T5's sequence; the negative pair only for true CFG."""
+
+    def encode(text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled, _ids = pipe.encode_prompt(
+            prompt=text, prompt_2=None, device=device, num_images_per_prompt=p.count, **p.tokens()
+        )
+        return embeds, pooled
+
+    embeds, pooled = encode(p.text)
+    out: Embeds = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    if p.cfg:
+        out["negative_prompt_embeds"], out["negative_pooled_prompt_embeds"] = encode(p.negative)
+    return out
+
+
+def _encode_flux2(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    def encode(text: str) -> torch.Tensor:
+        embeds: torch.Tensor = pipe.encode_prompt(
+            prompt=text, device=device, num_images_per_prompt=p.count, **p.tokens()
+        )[0]
+        return embeds
+
+    out: Embeds = {"prompt_embeds": encode(p.text)}
+    if p.cfg:
+        out["negative_prompt_embeds"] = encode(p.negative)
+    return out
+
+
+def _encode_qwenimage(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    # QwenImagePipeline.__call__ encodes at 512 tokens (encode_prompt's own default is 1024).
+    tokens = p.tokens() or {"max_sequence_length": 512}
+
+    def encode(text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        embeds, mask = pipe.encode_prompt(
+            prompt=text, device=device, num_images_per_prompt=p.count, **tokens
+        )
+        return embeds, mask
+
+    embeds, mask = encode(p.text)
+    out: Embeds = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+    if p.cfg:
+        # The model card's recipe: true CFG against " " when there is nothing to steer away from.
+        out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = encode(
+            p.negative or " "
+        )
+    return out
+
+
+def _encode_zimage(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    """ZImagePipeline takes one tensor per image (prompts keep their own lengths)."""
+    embeds, negatives = pipe.encode_prompt(
+        prompt=p.text,
+        device=device,
+        do_classifier_free_guidance=p.cfg,
+        negative_prompt=p.negative or None,
+        **p.tokens(),
+    )
+    out: Embeds = {"prompt_embeds": [e for e in embeds for _ in range(p.count)]}
+    if p.cfg:
+        out["negative_prompt_embeds"] = [e for e in negatives for _ in range(p.count)]
+    return out
+
+
+class _AllValidMask(logging.Filter):
+    """QwenImagePipeline.encode_prompt returns no mask when every token is valid (always, for one
+    prompt), then warns on every call that is given its own embeddings without one. An all-ones
+    mask would cost a masked attention instead; the warning is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_mask` is not provided, so the model will treat all" not in record.getMessage()
+
+
+logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage").addFilter(_AllValidMask())
+
+
+def _decode_flux(pipe: Any, latents: torch.Tensor, width: int, height: int) -> list[Image.Image]:
+    """FLUX.1 returns 2x2 patch tokens; unpacked, they decode with the VAE's scale and shift."""
+    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    return _decode_sd3(pipe, latents)
+
+
+def _decode_flux2(pipe: Any, latents: torch.Tensor, _w: int, _h: int) -> list[Image.Image]:
+    """Flux2KleinPipeline unpacks and un-normalizes (batch-norm statistics) before it returns
+    latents; they go to the VAE as they are."""
+    vae = pipe.vae
+    image = vae.decode(latents.to(_vae_device(vae), vae.dtype), return_dict=False)[0]
+    return list(pipe.image_processor.postprocess(image, output_type="pil"))
+
+
+def _decode_qwenimage(
+    pipe: Any, latents: torch.Tensor, width: int, height: int
+) -> list[Image.Image]:
+    """Qwen-Image's VAE is a video VAE: one frame, per-channel mean and std from its config."""
+    vae = pipe.vae
+    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    latents = latents.to(_vae_device(vae), vae.dtype)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+    image = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+    return list(pipe.image_processor.postprocess(image, output_type="pil"))
+
+
+def _true_cfg(guidance: float, true_cfg: float | None) -> dict[str, Any]:
+    """FLUX.1: guidance is the embedded guidance (ignored where the transformer has none)."""
+    return {"guidance_scale": guidance, "true_cfg_scale": true_cfg or 1.0}
+
+
+def _true_cfg_only(_guidance: float, true_cfg: float | None) -> dict[str, Any]:
+    """Qwen-Image has no guidance embedding: guidance_scale None, or the pipeline warns."""
+    return {"guidance_scale": None, "true_cfg_scale": true_cfg or 1.0}
+
+
 SPECS: dict[str, FamilySpec] = {
     "sd15": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
     "sd2": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
@@ -122,6 +261,39 @@ SPECS: dict[str, FamilySpec] = {
     "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
         _encode_pooled,
+        _decode_sd3,
+        fp16_safe=False,
+        denoiser="transformer",
+    ),
+    "flux": FamilySpec(
+        "FluxPipeline",
+        _encode_flux,
+        _decode_flux,
+        guidance=_true_cfg,
+        fp16_safe=False,
+        denoiser="transformer",
+        previews=False,
+    ),
+    "flux2": FamilySpec(
+        "Flux2KleinPipeline",
+        _encode_flux2,
+        _decode_flux2,
+        fp16_safe=False,
+        denoiser="transformer",
+        previews=False,
+    ),
+    "qwenimage": FamilySpec(
+        "QwenImagePipeline",
+        _encode_qwenimage,
+        _decode_qwenimage,
+        guidance=_true_cfg_only,
+        fp16_safe=False,
+        denoiser="transformer",
+        previews=False,
+    ),
+    "zimage": FamilySpec(
+        "ZImagePipeline",
+        _encode_zimage,
         _decode_sd3,
         fp16_safe=False,
         denoiser="transformer",

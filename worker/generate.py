@@ -17,7 +17,7 @@ from worker import device as dev
 from worker.context import JobContext
 from worker.device import DeviceInfo
 from worker.errors import JobStopped
-from worker.families import decode_preview, spec_of
+from worker.families import Prompt, cfg_active, decode_preview, spec_of
 from worker.faults import FaultPlan
 from worker.resident import LoadedPipeline
 from worker.store import Store
@@ -53,9 +53,11 @@ def generate(
     with watch.phase("text_encode"):
         ctx.progress("text_encode", 0, steps)
         faults.check("text_encode", rung)
-        cfg = guidance > 1.0
-        device = loaded.execution_device
-        embeds = family.encode(pipe, device, request.prompt, request.negative_prompt, count, cfg)
+        cfg = cfg_active(loaded.manifest.family, guidance, request.true_cfg)
+        prompt = Prompt(
+            request.prompt, request.negative_prompt, count, cfg, loaded.manifest.max_sequence_length
+        )
+        embeds = family.encode(pipe, loaded.execution_device, prompt)
 
     # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
     #    quarter when the request asks and the model has TAESD) and honours a stop request.
@@ -76,8 +78,8 @@ def generate(
         faults.check("denoise", rung)
         latents = pipe(
             **embeds,
+            **family.guidance(guidance, request.true_cfg),
             num_inference_steps=steps,
-            guidance_scale=guidance,
             width=request.width,
             height=request.height,
             generator=generators,
@@ -89,8 +91,9 @@ def generate(
     with watch.phase("decode"):
         ctx.progress("decode", steps, steps)
         faults.check("decode", rung)
-        images = family.decode(pipe, latents)
+        images = family.decode(pipe, latents, *shape[:2])
     loaded.warm_shapes.add(shape)
+    loaded.cfg_seen.add(cfg)
     record.peak_memory_bytes = dev.peak_bytes(info)
     record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
     return images

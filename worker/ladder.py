@@ -3,7 +3,7 @@ out-of-memory rules (Ladder) that the renderer and `kiln doctor` both follow."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -12,6 +12,7 @@ import torch
 from api_client.manifest import Manifest
 from api_client.schema import RUNGS, Attempt, Rung
 from worker.errors import OutOfMemory
+from worker.quantize import SIZE_VS_16BIT
 
 GB = 1e9
 # Allocation failures that do not come as torch.OutOfMemoryError: cuBLAS/cuDNN workspaces, HIP.
@@ -36,19 +37,46 @@ def lower_rung(rung: Rung) -> Rung | None:
     return RUNGS[index + 1] if index + 1 < len(RUNGS) else None
 
 
-def rung_need_gb(manifest: Manifest, rung: Rung) -> float:
-    """Memory a rung needs: min_vram_gb for full; rung_vram_gb, else a conservative share of it."""
+@dataclass(frozen=True)
+class Fit:
+    """How a model's weights sit on a card: in fp32 (twice the 16-bit bytes: sd3 or FLUX on a
+    T4, which has no bf16 and must not run them in fp16) and with these components quantized."""
+
+    fp32: bool = False
+    quantized: Mapping[str, str] = field(default_factory=dict)  # component -> scheme applied
+
+
+def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
+    """Memory a rung needs on a card, from the manifest's 16-bit figures: min_vram_gb for full,
+    rung_vram_gb (else a conservative share of min_vram_gb) below it, twice that in fp32.
+
+    With component_gb, the figures are split into the weights a rung holds on the device (every
+    component at full, the largest one at model_offload, none at group_offload) and the working
+    memory beside them; each held component then counts at its own size (quantized: the
+    scheme's bytes) and only the rest scales with fp32."""
+    scale = 2.0 if fit.fp32 else 1.0
     if rung == "full":
-        return manifest.min_vram_gb
-    default_share = {"model_offload": 0.6, "group_offload": 0.25}[rung]
-    return manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * default_share)
+        declared = manifest.min_vram_gb
+    else:
+        default_share = {"model_offload": 0.6, "group_offload": 0.25}[rung]
+        declared = manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * default_share)
+    sizes = manifest.component_gb
+    if not sizes:
+        return declared * scale
+    held = _held_components(sizes, rung)
+    working = max(declared - sum(sizes[c] for c in held), 0.0)
+    weights = sum(
+        sizes[c] * (SIZE_VS_16BIT[fit.quantized[c]] if c in fit.quantized else scale) for c in held
+    )
+    return working * scale + weights
 
 
-def planning_gb(usable: float, fp32_on_accelerator: bool) -> float:
-    """Memory to weigh the manifest's needs against: min_vram_gb and rung_vram_gb are measured
-    with 16-bit weights, so a model that must run fp32 on a card (sd3 on a T4: no bf16, and
-    fp16 overflows) needs about twice as much; halving what is usable says the same."""
-    return usable / 2 if fp32_on_accelerator else usable
+def _held_components(sizes: Mapping[str, float], rung: Rung) -> list[str]:
+    if rung == "full":
+        return list(sizes)
+    if rung == "model_offload":  # one component on the device at a time: the largest sets the peak
+        return [max(sizes, key=lambda c: sizes[c])]
+    return []
 
 
 @dataclass(frozen=True)
@@ -73,13 +101,13 @@ def usable_gb(
     return max(usable, 0.0)
 
 
-def pick_rung(manifest: Manifest, usable: float, mode: str) -> RungChoice:
+def pick_rung(manifest: Manifest, usable: float, mode: str, fit: Fit = Fit()) -> RungChoice:
     """A pinned mode is used as is; auto takes the best rung whose need fits, else the lowest."""
     for rung in RUNGS:
         if mode == rung:
             return RungChoice(rung, f"pinned by KILN_MEMORY_MODE={mode}")
     for rung in RUNGS:
-        need = rung_need_gb(manifest, rung)
+        need = rung_need_gb(manifest, rung, fit)
         if need <= usable:
             return RungChoice(rung, f"needs {need:.2f} GB, {usable:.2f} GB usable")
     lowest = RUNGS[-1]
@@ -162,6 +190,7 @@ def choose_rung(
     ceiling: Rung | None,
     ceilings: dict[tuple[int, int], Rung],
     usable: float,
+    fit: Fit = Fit(),
 ) -> RungChoice:
     """Auto mode, for one job: its size's ceiling (a rung an OOM pushed it down to) or the
     estimate, weighed against the rung the model is resident at, so that sizes with different
@@ -177,7 +206,7 @@ def choose_rung(
             why = f"resident at {resident.rung}, at or below this size's remembered {ceiling}"
             return RungChoice(resident.rung, f"remembered: {why}", usable)
         return RungChoice(ceiling, "remembered: worked after an OOM at this model and size", usable)
-    estimate = pick_rung(manifest, usable, "auto")
+    estimate = pick_rung(manifest, usable, "auto", fit)
     estimate = RungChoice(estimate.rung, estimate.reason, usable)
     if resident is None:
         return estimate

@@ -14,10 +14,12 @@ from worker import device as dev
 from worker.device import DeviceInfo
 from worker.families import spec_of
 from worker.faults import FaultPlan
+from worker.ladder import Fit
 from worker.manifest import weights_source
+from worker.quantize import pick_schemes
 from worker.resident import DTYPES, LoadedPipeline
 from worker.settings import Settings
-from worker.switches import apply_compile, apply_switches
+from worker.switches import apply_compile, apply_switches, switch
 from worker.vae import load_vae_override, upcast_before_placement
 
 
@@ -43,6 +45,16 @@ def choose_dtype(manifest: Manifest, info: DeviceInfo) -> tuple[torch.dtype, str
         torch.float32,
         f"fp32: {manifest.family} must not run in fp16 and {info.name} has no bf16",
     )
+
+
+def fit_for(manifest: Manifest, info: DeviceInfo, settings: Settings) -> Fit:
+    """How this card will hold the model's weights (precision, quantization picks), for the
+    ladder's arithmetic; the same decisions a load makes (choose_dtype, the quantize switch)."""
+    fp32 = info.accelerator and choose_dtype(manifest, info)[0] == torch.float32
+    if switch(manifest, settings, "quantize") == "off":
+        return Fit(fp32=fp32)
+    picks = pick_schemes(manifest, info)
+    return Fit(fp32, {c: p.scheme for c, p in picks.items() if p.scheme is not None})
 
 
 def load_pipeline(

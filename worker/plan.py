@@ -7,18 +7,16 @@ models."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
+from typing import Any, Literal
 
 from api_client.manifest import Manifest
 from api_client.schema import Rung
 from worker.compile import compile_available
 from worker.device import DeviceInfo
 from worker.families import spec_of
-from worker.ladder import pick_rung, planning_gb, rung_need_gb
-from worker.loading import choose_dtype
-from worker.quantize import unsupported_reason
+from worker.ladder import pick_rung, rung_need_gb
+from worker.loading import choose_dtype, fit_for
+from worker.quantize import pick_schemes
 from worker.resident import DTYPE_NAMES
 from worker.settings import Settings
 
@@ -32,8 +30,10 @@ class ModelPlan:
     rung_reason: str
     dtype: str
     dtype_reason: str
+    resident_gb: float = 0.0  # what the rung holds on the device, by the ladder's arithmetic
     switches: list[tuple[Kind, str, str]] = field(default_factory=list)  # (kind, name, reason)
-    quantize: dict[str, str] = field(default_factory=dict)  # component -> verdict
+    quantize: dict[str, str | None] = field(default_factory=dict)  # component -> scheme or None
+    quantize_reasons: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # why it cannot run on this card
 
     @property
@@ -43,28 +43,45 @@ class ModelPlan:
     def names(self, kind: Kind) -> list[str]:
         return [name for k, name, _ in self.switches if k == kind]
 
+    def as_json(self) -> dict[str, Any]:
+        """`kiln doctor --profile NAME --json`: one object per manifest (DESIGN.md's keys)."""
+        return {
+            "model": self.model,
+            "runs": self.runs,
+            "rung": self.rung,
+            "dtype": self.dtype,
+            "quantize": dict(self.quantize),
+            "resident_gb": round(self.resident_gb, 2),
+            "reason": "; ".join(self.problems) if self.problems else self.rung_reason,
+        }
+
 
 def plan_model(
     manifest: Manifest, info: DeviceInfo, settings: Settings, usable: float
 ) -> ModelPlan:
     """The decisions a load of manifest would make on info's card with usable GB to plan with."""
     dtype, dtype_reason = choose_dtype(manifest, info)
-    fp32 = info.accelerator and dtype == torch.float32
-    usable = planning_gb(usable, fp32)
-    choice = pick_rung(manifest, usable, settings.memory_mode)
-    plan = ModelPlan(manifest.id, choice.rung, choice.reason, DTYPE_NAMES[dtype], dtype_reason)
+    fit = fit_for(manifest, info, settings)
+    choice = pick_rung(manifest, usable, settings.memory_mode, fit)
+    plan = ModelPlan(
+        manifest.id,
+        choice.rung,
+        choice.reason,
+        DTYPE_NAMES[dtype],
+        dtype_reason,
+        resident_gb=rung_need_gb(manifest, choice.rung, fit),
+    )
     lowest: Rung = "group_offload" if settings.memory_mode == "auto" else choice.rung
-    need = rung_need_gb(manifest, lowest)
+    need = rung_need_gb(manifest, lowest, fit)
     if need > usable:
         plan.problems.append(f"needs {need:.2f} GB even at {lowest}; {usable:.2f} GB usable")
-    if fp32:
-        plan.rung_reason += "; fp32 weights: half the usable memory planned with"
+    if fit.fp32:
+        plan.rung_reason += "; fp32 weights: twice the 16-bit figures"
     _switches(plan, manifest, info, settings)
-    for component, scheme in manifest.quantize.items():
-        reason = unsupported_reason(scheme, info)
-        plan.quantize[component] = f"{scheme}: " + (
-            "the card can run it" if reason is None else f"skipped ({reason})"
-        )
+    quantize_off = _switch(manifest, settings, "quantize") == "off"
+    for component, pick in pick_schemes(manifest, info).items():
+        plan.quantize[component] = None if quantize_off else pick.scheme
+        plan.quantize_reasons[component] = "switched off" if quantize_off else pick.reason
     return plan
 
 

@@ -19,8 +19,9 @@ from worker.manifest import weights_source
 
 log = logging.getLogger(__name__)
 
-# Everything a pipeline component holds besides weights: configs, tokenizers, scheduler.
-_COMPONENT_FILES = ("json", "txt", "model")
+# Everything a pipeline component holds besides weights: configs, tokenizers, scheduler, and
+# the chat templates newer tokenizers keep beside their config (Qwen3's, for FLUX.2 and Z-Image).
+_COMPONENT_FILES = ("json", "txt", "model", "jinja")
 # Single-file and framework copies the pipeline never reads; the safety checker kiln drops.
 _NEVER = ["*.bin", "*.ckpt", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.pb"]
 _VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]

@@ -1,12 +1,15 @@
-"""torchao weight quantization of one pipeline component, or the reason it cannot run here."""
+"""torchao weight quantization: which of a manifest's schemes a card gets for each component,
+and the quantization of one component, or the reason it cannot run here."""
 
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from api_client.manifest import Manifest
 from worker.device import DeviceInfo
 
 
@@ -42,15 +45,46 @@ def unsupported_reason(scheme: str, info: DeviceInfo) -> str | None:
 
     Decided from DeviceInfo alone, never from torch.cuda: under KILN_DEVICE_PROFILE the
     decisions are the profiled card's while the tensors stay on the real device."""
-    if scheme in ("int4", "fp8") and info.backend not in ("cuda", "rocm"):
-        return f"{scheme} needs a CUDA device (torchao kernels); this is {info.backend}"
-    if scheme == "fp8" and info.backend == "cuda":
+    if scheme in ("int4", "float8") and info.backend not in ("cuda", "rocm"):
+        return f"{scheme} needs a CUDA or ROCm device (torchao kernels); this is {info.backend}"
+    if scheme == "float8" and not info.fp8:
         major, minor = info.capability or (0, 0)
-        if (major, minor) < (8, 9):
-            return f"fp8 needs compute capability 8.9+; {info.name} is {major}.{minor}"
+        return (
+            f"float8 needs fp8 math (compute capability 8.9+, or MI300); {info.name} is"
+            f" {major}.{minor}"
+        )
     if scheme == "int4" and info.backend == "rocm":
         return "int4 tinygemm kernels are not built for ROCm"
     return None
+
+
+# Bytes a quantized weight keeps per byte of its 16-bit original.
+SIZE_VS_16BIT: dict[str, float] = {"float8": 0.5, "int8": 0.5, "int8_dynamic": 0.5, "int4": 0.25}
+
+
+@dataclass(frozen=True)
+class SchemePick:
+    """The scheme a component gets on a card (None: none of the manifest's), and why."""
+
+    scheme: str | None
+    reason: str
+
+
+def pick_scheme(schemes: list[str], info: DeviceInfo) -> SchemePick:
+    """The first of the manifest's schemes, in its order of preference, that the card runs."""
+    passed: list[str] = []
+    for scheme in schemes:
+        why = unsupported_reason(scheme, info)
+        if why is None:
+            over = f" (over {'; '.join(passed)})" if passed else ""
+            return SchemePick(scheme, f"torchao {scheme} on {info.name}{over}")
+        passed.append(f"{scheme}: {why}")
+    return SchemePick(None, "; ".join(passed))
+
+
+def pick_schemes(manifest: Manifest, info: DeviceInfo) -> dict[str, SchemePick]:
+    """Every component the manifest quantizes, with the scheme this card gives it."""
+    return {c: pick_scheme(list(schemes), info) for c, schemes in manifest.quantize.items()}
 
 
 def scheme_config(scheme: str) -> Any:
@@ -68,14 +102,14 @@ def scheme_config(scheme: str) -> Any:
         "int8": Int8WeightOnlyConfig,
         "int8_dynamic": Int8DynamicActivationInt8WeightConfig,
         "int4": Int4WeightOnlyConfig,
-        "fp8": Float8WeightOnlyConfig,
+        "float8": Float8WeightOnlyConfig,
     }
     return configs[scheme](set_inductor_config=False)
 
 
 def try_scheme(scheme: str, torch_device: str) -> str | None:
     """Quantize a small linear layer on the real device and run it: None when that works, else
-    why not (int4 needs a kernel package kiln does not install, fp8 a recent card...)."""
+    why not (int4 needs a kernel package kiln does not install, float8 a recent card...)."""
     try:
         from torchao.quantization import quantize_
     except ImportError as exc:
@@ -92,11 +126,9 @@ def try_scheme(scheme: str, torch_device: str) -> str | None:
     return None
 
 
-def quantize_component(module: torch.nn.Module, scheme: str, info: DeviceInfo) -> str | None:
-    """Quantize module's linear weights in place; return None when applied, else the skip reason."""
-    reason = unsupported_reason(scheme, info)
-    if reason is not None:
-        return reason
+def quantize_component(module: torch.nn.Module, scheme: str) -> str | None:
+    """Quantize module's linear weights in place (a scheme pick_scheme chose for this card);
+    None when applied, else why torchao would not."""
     try:
         from torchao.quantization import quantize_
 

@@ -24,6 +24,7 @@ from worker.compile import graphs_compiled
 from worker.context import JobContext
 from worker.device import DeviceInfo
 from worker.errors import FatalWorkerError, JobStopped, LeaseLost, device_lost
+from worker.families import cfg_active
 from worker.faults import FaultPlan
 from worker.generate import generate
 from worker.ladder import (
@@ -34,11 +35,10 @@ from worker.ladder import (
     choose_rung,
     is_oom,
     pick_rung,
-    planning_gb,
     rung_need_gb,
     usable_gb,
 )
-from worker.loading import choose_dtype, load_pipeline
+from worker.loading import fit_for, load_pipeline
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
@@ -192,20 +192,19 @@ class Renderer:
     # -- steps 3 and 4 ------------------------------------------------------------------------
 
     def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
+        fit = fit_for(manifest, self.info, self.settings)
         if self.settings.memory_mode != "auto":
             return pick_rung(
-                manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode
+                manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode, fit
             )
         # Counting this model's own resident bytes as reclaimable: what it could have reloaded.
-        fp32 = self.info.accelerator and choose_dtype(manifest, self.info)[0] == torch.float32
-        room = planning_gb(self.usable_gb(), fp32)
+        room = self.usable_gb()
         # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
         grown = room if self.info.accelerator else None
         size = (request.width or 0, request.height or 0)
         ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
-        return choose_rung(
-            manifest, self.cache.get(manifest.id), ceiling, self.rungs.ceilings(manifest.id), room
-        )
+        ceilings = self.rungs.ceilings(manifest.id)
+        return choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
 
     def _ensure_loaded(
         self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
@@ -250,6 +249,10 @@ class Renderer:
             record.quantized = loaded.quantized
             record.scheduler = type(loaded.pipe.scheduler).__name__
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
+            cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
+            novelty = loaded.novelty(
+                request.width or 0, request.height or 0, request.num_images, cfg
+            )
             try:
                 images = generate(
                     loaded,
@@ -269,14 +272,16 @@ class Renderer:
                     Attempt(rung=loaded.rung, outcome="error", phase=watch.current, detail=note)
                 )
                 continue
-            if loaded.compiled and ran_before:
-                loaded.recompiles += graphs_compiled() - graphs_before
+            built = graphs_compiled() - graphs_before
+            if loaded.compiled and ran_before and built:
+                loaded.recompiles += built
+                record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
             return images, loaded
 
     def _make_room(self, manifest: Manifest, rung: Rung) -> None:
         """Evict least recently used pipelines until this rung's estimate fits."""
-        need = int(rung_need_gb(manifest, rung) * GB)
+        need = int(rung_need_gb(manifest, rung, fit_for(manifest, self.info, self.settings)) * GB)
         free_now = int(self.usable_gb(reclaim=False) * GB)
         evicted = self.cache.evict_lru_until(need, free_now, keep=manifest.id)
         if evicted:
@@ -309,6 +314,7 @@ class Renderer:
             seed=int(request.seed or 0),
             steps=int(request.steps or 0),
             guidance=float(request.guidance or 0.0),
+            true_cfg=request.true_cfg,
             width=int(request.width or 0),
             height=int(request.height or 0),
             rung=loaded.rung,
@@ -335,7 +341,11 @@ def _checkpoint(ctx: JobContext, where: str) -> None:
 def _describe(record: TimingRecord, request: RenderRequest) -> None:
     """What the record needs to reproduce the job: the resolved request's numbers."""
     record.model, record.num_images, record.seed = request.model, request.num_images, request.seed
-    record.steps, record.guidance = request.steps, request.guidance
+    record.steps, record.guidance, record.true_cfg = (
+        request.steps,
+        request.guidance,
+        request.true_cfg,
+    )
     record.width, record.height = request.width, request.height
 
 

@@ -39,6 +39,7 @@ class LoadedPipeline:
     device_bytes: int = 0  # device memory this pipeline took at load (allocated after - before)
     warm_shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (w, h, batch) seen
     recompiles: int = 0  # graphs Dynamo built for this pipeline after its first job
+    cfg_seen: set[bool] = field(default_factory=set)  # guidance on, off, or both, so far
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
 
     @property
@@ -52,6 +53,17 @@ class LoadedPipeline:
         a pipeline's placement is fixed for its life in the cache."""
         device: torch.device = self.pipe._execution_device
         return device
+
+    def novelty(self, width: int, height: int, count: int, cfg: bool) -> str:
+        """What a job asks that no job before it on this pipeline did: why a compiled denoiser
+        would build new graphs for it."""
+        if (width, height) not in {(w, h) for w, h, _ in self.warm_shapes}:
+            return f"new size {width}x{height}"
+        if (width, height, count) not in self.warm_shapes:
+            return f"new batch of {count} at {width}x{height}"
+        if cfg not in self.cfg_seen:
+            return f"guidance {'on' if cfg else 'off'} (CFG changes the denoiser's batch)"
+        return "no new size, batch or guidance: a guard on another input failed"
 
     @property
     def denoiser(self) -> torch.nn.Module:

@@ -47,20 +47,20 @@ def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> N
     if value == "off":
         report.add("skipped", "quantize", "switched off (KILN_QUANTIZE=off or manifest)")
         return
-    from worker.quantize import quantize_component
+    from worker.quantize import pick_schemes, quantize_component
 
-    for component, scheme in wanted.items():
+    for component, pick in pick_schemes(manifest, info).items():
         module = getattr(loaded.pipe, component, None)
         if not isinstance(module, torch.nn.Module):
             raise ValueError(
                 f"model {manifest.id}: quantize names {component!r}, which this pipeline lacks"
             )
-        reason = quantize_component(module, scheme, info)
-        if reason is None:
-            loaded.quantized[component] = scheme
-            report.add("applied", f"quantize:{component}", f"torchao {scheme}")
+        refused = None if pick.scheme is None else quantize_component(module, pick.scheme)
+        if pick.scheme is not None and refused is None:
+            loaded.quantized[component] = pick.scheme
+            report.add("applied", f"quantize:{component}", pick.reason)
         else:
-            report.add("skipped", f"quantize:{component}", reason)
+            report.add("skipped", f"quantize:{component}", refused or pick.reason)
 
 
 def _sdpa(loaded: LoadedPipeline, settings: Settings) -> None:
@@ -125,6 +125,10 @@ def _taesd_preview(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings)
     if manifest.taesd is None:
         report.add("skipped", "taesd_preview", "the manifest names no taesd weights")
         return
+    if not spec_of(manifest.family).previews:
+        why = f"{manifest.family} packs its latents into patch tokens while denoising"
+        report.add("skipped", "taesd_preview", f"{why}; kiln decodes no preview from them")
+        return
     from diffusers import AutoencoderTiny
 
     try:
@@ -187,7 +191,7 @@ def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) 
     try:
         if unavailable is not None:
             raise RuntimeError(unavailable)
-        how = compile_denoiser(loaded.denoiser, settings)
+        how = compile_denoiser(loaded.denoiser, settings, manifest.compile_method)
     except Exception as exc:
         if required:
             raise CompileRequired(

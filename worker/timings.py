@@ -70,6 +70,7 @@ class TimingRecord(BaseModel):
     seed: int | None = None
     steps: int | None = None
     guidance: float | None = None
+    true_cfg: float | None = None
     scheduler: str | None = None  # the scheduler class the pipeline ran with
     per_step_s: float | None = None
     width: int | None = None
@@ -83,6 +84,8 @@ class TimingRecord(BaseModel):
     dtype: str | None = None
     compiled: bool = False
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
+    # One entry per job of this pipeline that rebuilt graphs: what was new ("new size 192x128").
+    recompile_causes: list[str] = Field(default_factory=list)
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
@@ -123,6 +126,7 @@ class TimingRecord(BaseModel):
             simulated_device=result.simulated_device,
             seed=result.seed,
             guidance=result.guidance,
+            true_cfg=result.true_cfg,
             dtype=result.dtype,
             compiled=result.compiled,
             quantized=result.quantized,

@@ -1,0 +1,105 @@
+"""`kiln doctor --profile`: the plan every card gets for the models people run now. The README's
+table is held to plan_model, and the command line names a rung, dtype and quantization for
+flux1-dev and qwen-image on an L4 and a T4, as text and as JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from tests.conftest import MANIFESTS, ROOT, kiln
+from worker.device import probe
+from worker.ladder import Fit, rung_need_gb, usable_gb
+from worker.manifest import load_manifests
+from worker.plan import plan_model
+from worker.settings import Settings
+
+ROW = re.compile(r"^\| `([\w.-]+)` \| `(\w+)` \| (\w+) \| (\w+) \| ([^|]+) \| ([\d.]+) GB \|$")
+
+
+def _readme_rows() -> list[tuple[str, ...]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return [m.groups() for line in text.splitlines() if (m := ROW.match(line.strip()))]
+
+
+def _plan(model: str, profile: str) -> Any:
+    settings = Settings(device_profile=profile, manifests=MANIFESTS)
+    info = probe(settings)
+    usable = usable_gb(info.free_bytes, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
+    return plan_model(load_manifests(MANIFESTS, [model])[model], info, settings, usable)
+
+
+def test_the_readme_table_is_what_the_code_plans() -> None:
+    rows = _readme_rows()
+    profiles = {"t4", "l4", "a100", "h200", "mi300", "mps"}
+    assert {(m, p) for m, p, *_ in rows} >= {
+        (m, p) for m in ("flux1-dev", "qwen-image") for p in profiles
+    }
+    for model, profile, rung, dtype, quantized, resident in rows:
+        plan = _plan(model, profile)
+        shown = ", ".join(f"{c} {s or 'none'}" for c, s in plan.quantize.items()) or "-"
+        assert (plan.rung, plan.dtype, shown.strip()) == (rung, dtype, quantized.strip()), model
+        assert f"{plan.resident_gb:.1f}" == resident, (model, profile)
+        assert plan.runs, (model, profile, plan.problems)
+
+
+def test_quantization_follows_the_card() -> None:
+    # float8 where the card has fp8 math, int8 elsewhere; the reason names what was passed over.
+    l4, a100 = _plan("flux1-dev", "l4"), _plan("flux1-dev", "a100")
+    assert l4.quantize["transformer"] == "float8" and a100.quantize["transformer"] == "int8"
+    assert "float8 needs fp8 math" in a100.quantize_reasons["transformer"]
+    assert "8.0" in a100.quantize_reasons["transformer"]
+    assert _plan("flux1-dev", "t4").dtype == "fp32"  # no bf16, and FLUX must not run in fp16
+
+
+def test_quantized_components_count_at_their_own_size() -> None:
+    manifest = load_manifests(MANIFESTS, ["flux1-dev"])["flux1-dev"]
+    sizes = manifest.component_gb
+    plain = rung_need_gb(manifest, "full")
+    assert plain == pytest.approx(manifest.min_vram_gb)
+    float8 = rung_need_gb(manifest, "full", Fit(quantized={"transformer": "float8"}))
+    assert plain - float8 == pytest.approx(sizes["transformer"] / 2)
+    int4 = rung_need_gb(manifest, "full", Fit(quantized={"transformer": "int4"}))
+    assert plain - int4 == pytest.approx(sizes["transformer"] * 3 / 4)
+    # model_offload holds one component at a time: only the largest one's saving counts.
+    offload = rung_need_gb(manifest, "model_offload")
+    t5_only = rung_need_gb(manifest, "model_offload", Fit(quantized={"text_encoder_2": "int8"}))
+    assert t5_only == pytest.approx(offload)
+    # fp32 doubles what is not quantized, and leaves a quantized weight at its own bytes.
+    fp32 = rung_need_gb(manifest, "full", Fit(fp32=True, quantized={"transformer": "int8"}))
+    assert fp32 == pytest.approx(2 * float8 - sizes["transformer"] / 2)
+    # A manifest without component sizes scales as a whole, as before.
+    sd3 = load_manifests(MANIFESTS, ["sd35-medium"])["sd35-medium"]
+    assert rung_need_gb(sd3, "full", Fit(fp32=True)) == pytest.approx(2 * sd3.min_vram_gb)
+
+
+@pytest.mark.parametrize("profile", ["l4", "t4"])
+def test_doctor_profile_names_rung_dtype_and_quantization(
+    profile: str, kiln_env: dict[str, str]
+) -> None:
+    done = kiln("doctor", "--profile", profile, "--json", env=kiln_env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plans = {p["model"]: p for p in json.loads(done.stdout)}
+    for model in ("flux1-dev", "qwen-image"):
+        plan = plans[model]
+        assert set(plan) >= {"model", "runs", "rung", "dtype", "quantize", "resident_gb", "reason"}
+        expected = _plan(model, profile)
+        assert (plan["rung"], plan["dtype"], plan["quantize"]) == (
+            expected.rung,
+            expected.dtype,
+            expected.quantize,
+        )
+        assert plan["runs"] and plan["resident_gb"] > 0
+    text = kiln("doctor", "--profile", profile, env=kiln_env).stdout
+    assert "model flux1-dev" in text and "quantize      transformer:" in text
+
+
+def test_doctor_profile_exits_1_naming_a_model_that_cannot_run(kiln_env: dict[str, str]) -> None:
+    # qwen-image on a T4 with 3 GiB free: even group_offload's fp32 need does not fit.
+    done = kiln("doctor", "--profile", "t4:3", "--json", env=kiln_env)
+    assert done.returncode == 1
+    plan = next(p for p in json.loads(done.stdout) if p["model"] == "qwen-image")
+    assert not plan["runs"] and "even at group_offload" in plan["reason"]
