@@ -68,7 +68,9 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
     def broken_backend(gm: Any, inputs: Any) -> Any:
         raise RuntimeError("injected compiler failure")
 
-    def compile_with_broken_backend(denoiser: torch.nn.Module, settings: Settings) -> str:
+    def compile_with_broken_backend(
+        denoiser: torch.nn.Module, settings: Settings, method: str = "auto"
+    ) -> str:
         # A small region keeps Dynamo's tracing cheap; the failure path is the same.
         denoiser.time_embedding.compile(backend=broken_backend)  # type: ignore[operator]
         return "test: time_embedding with a broken backend"
@@ -105,3 +107,44 @@ def test_regional_compile_renders_and_counts_recompiles(
     assert first.cold and not same_size.cold and new_size.cold
     assert same_size.recompiles == 0  # same shape: the graphs from the first job are reused
     assert new_size.recompiles > 0  # a new latent size makes Dynamo build new graphs
+    assert same_size.recompile_causes == []
+    assert new_size.recompile_causes == [f"new size 192x128: {new_size.recompiles} graph(s)"]
+
+
+def test_a_recompile_is_named_by_what_the_job_asked_first(settings: Settings) -> None:
+    loaded = load(settings)
+    assert loaded.novelty(128, 128, 1, cfg=True) == "new size 128x128"
+    loaded.warm_shapes.add((128, 128, 1))
+    loaded.cfg_seen.add(True)
+    assert loaded.novelty(128, 128, 2, cfg=True) == "new batch of 2 at 128x128"
+    assert loaded.novelty(128, 128, 1, cfg=False).startswith("guidance off")
+    assert "a guard on another input" in loaded.novelty(128, 128, 1, cfg=True)
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [("auto", "regional: torch.compile of UNet2DConditionModel's repeated"), ("whole", "whole")],
+)
+def test_compile_method_picks_regional_or_whole(
+    make_settings: Any, method: str, expected: str
+) -> None:
+    # The wrap is lazy: nothing is traced until the first forward, so this costs no compile.
+    loaded = load(make_settings(compile="on"), compile_method=method)
+    kind, reason = compile_note(loaded)
+    assert kind == "applied" and reason.startswith(expected), reason
+
+
+def test_regional_without_repeated_blocks_falls_back_naming_the_class(make_settings: Any) -> None:
+    settings = make_settings(compile="on")
+    base = load_manifests(settings.manifests, ["tiny-sd3"])["tiny-sd3"]
+    from worker.device import probe
+
+    loaded = load_pipeline(
+        base.model_copy(update={"compile_method": "regional"}),
+        "full",
+        probe(settings),
+        settings,
+        FaultPlan(),
+    )
+    kind, reason = compile_note(loaded)
+    assert kind == "fell_back" and "SD3Transformer2DModel declares no repeated blocks" in reason

@@ -140,6 +140,25 @@ def test_generation_oom_twice_descends_reloads_and_retries(
     assert result.timings.load > 0  # the reload at the lower rung is charged to load
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-flux2", "tiny-qwenimage", "tiny-zimage"])
+@pytest.mark.parametrize("phase", ["text_encode", "denoise", "decode"])
+def test_the_new_families_drill_each_phase_on_its_own(
+    redis_conn: Redis, make_settings: Any, model: str, phase: str
+) -> None:
+    """FLUX.1, FLUX.2, Qwen-Image and Z-Image keep encode, denoise and decode apart: a drilled
+    OOM in any one of them is retried, then descends, like the SD families'."""
+    settings = make_settings(faults=f"oom@{phase}:full*2")
+    handle = client_for(redis_conn, settings).submit({**JOB, "model": model})
+    burst(redis_conn, make_renderer(settings, [model]), [model])
+    result = handle.wait(timeout=60)
+    assert outcomes(result) == [
+        ("full", "oom", phase),
+        ("full", "oom", phase),
+        ("model_offload", "ok", None),
+    ]
+    assert result.rung == "model_offload" and len(result.images) == 1
+
+
 def test_generation_oom_after_descending_fails_naming_model_and_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:

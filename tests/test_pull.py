@@ -56,12 +56,52 @@ SDXL_INDEX = {
 }
 
 
-def selected(fetch: Any) -> list[str]:
+# FLUX.1-dev's layout: the single-file checkpoint and autoencoder at the top (kiln loads neither),
+# sharded transformer and T5, each shard set with its index.
+FLUX_FILES = [
+    "LICENSE.md",
+    "ae.safetensors",
+    "flux1-dev.safetensors",
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "text_encoder/config.json",
+    "text_encoder/model.safetensors",
+    "text_encoder_2/config.json",
+    "text_encoder_2/model-00001-of-00002.safetensors",
+    "text_encoder_2/model-00002-of-00002.safetensors",
+    "text_encoder_2/model.safetensors.index.json",
+    "tokenizer/merges.txt",
+    "tokenizer/vocab.json",
+    "tokenizer_2/spiece.model",
+    "tokenizer_2/tokenizer.json",
+    "transformer/config.json",
+    "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
+    "transformer/diffusion_pytorch_model-00002-of-00003.safetensors",
+    "transformer/diffusion_pytorch_model-00003-of-00003.safetensors",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+]
+
+
+def selected(fetch: Any, files: list[str] = SDXL_FILES) -> list[str]:
     return list(
         filter_repo_objects(
-            SDXL_FILES, allow_patterns=fetch.allow_patterns, ignore_patterns=fetch.ignore_patterns
+            files, allow_patterns=fetch.allow_patterns, ignore_patterns=fetch.ignore_patterns
         )
     )
+
+
+def test_a_flux_pull_takes_every_shard_and_no_single_file_checkpoint(settings: Any) -> None:
+    flux = load_manifests(settings.manifests, ["flux1-dev"])["flux1-dev"]
+    [pipeline] = fetches(flux, settings.models_dir)
+    assert pipeline.repo == "black-forest-labs/FLUX.1-dev"
+    taken = selected(pipeline, FLUX_FILES)
+    assert taken == [f for f in FLUX_FILES if "/" in f or f == "model_index.json"]
+    # A Qwen3 tokenizer keeps its chat template beside its config (FLUX.2 klein, Z-Image).
+    klein = load_manifests(settings.manifests, ["flux2-klein-4b"])["flux2-klein-4b"]
+    template = ["tokenizer/chat_template.jinja", "tokenizer/tokenizer_config.json"]
+    assert selected(_pipeline_fetch(klein, ["tokenizer"]), template) == template
 
 
 def test_a_pull_takes_only_the_variant_of_the_components_the_pipeline_loads(
