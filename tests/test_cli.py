@@ -57,6 +57,24 @@ def test_submit_rejects_with_a_message_naming_field_value_and_limit(
     assert redis_conn.keys("rq:job:*") == []
 
 
+def test_submit_takes_true_cfg_and_refuses_a_negative_prompt_it_would_ignore(
+    kiln_env: dict[str, str], redis_conn: Redis
+) -> None:
+    base = ("submit", "a fox", "--model", "tiny-flux", "--negative-prompt", "blur")
+    refused = kiln(*base, env=kiln_env)
+    assert refused.returncode == 2
+    assert "negative_prompt" in refused.stderr and "needs true_cfg above 1" in refused.stderr
+    assert redis_conn.keys("rq:job:*") == []
+    queued = kiln(*base, "--true-cfg", "3", "--json", env=kiln_env)
+    assert queued.returncode == 0, queued.stderr
+    job_id = json.loads(queued.stdout)["job_id"]
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    stored = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert stored.kwargs["request"]["true_cfg"] == 3.0
+
+
 def test_submit_wait_json_through_a_real_worker_process(
     kiln_env: dict[str, str], redis_conn: Redis, settings: Any
 ) -> None:

@@ -72,7 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", required=True)
     submit.add_argument("--negative-prompt")
     submit.add_argument("--steps", type=int)
-    submit.add_argument("--guidance", type=float)
+    submit.add_argument(
+        "--guidance", type=float, help="CFG; FLUX.1: its embedded guidance (dev 3.5, schnell 0)"
+    )
+    submit.add_argument(
+        "--true-cfg",
+        type=float,
+        help="true CFG against the negative prompt (FLUX.1, Qwen-Image; where the manifest allows)",
+    )
     submit.add_argument("--width", type=int)
     submit.add_argument("--height", type=int)
     submit.add_argument("--seed", type=int)
