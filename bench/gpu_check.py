@@ -1,24 +1,56 @@
-"""GPU acceptance check: random-weight pipelines with the real SD1.5, SDXL and SD3.5-medium
-architectures (bench/configs, never downloaded) through kiln's own renderer and ladder.
+"""GPU acceptance check: random-weight pipelines with the real SD1.5, SDXL, SD3.5-medium,
+FLUX.1-dev and Qwen-Image architectures (bench/configs, never downloaded) through kiln's own
+renderer and ladder.
 
-Reports per-phase timings and peak memory at each rung, the compile speedup after warm-up, the
+Reports per-phase timings and peak memory at each rung (FLUX.1 and Qwen-Image against the memory
+their published manifests claim), float8 against int8 for the FLUX.1 and Qwen-Image transformers,
+regional against whole compile for both, the compile speedup after warm-up of the SD families, the
 int8 memory drop (SDXL's text_encoder_2, SD3's T5), a real out-of-memory
 (torch.cuda.set_per_process_memory_fraction) that the ladder survives, and the card against
 kiln's device profile of it (memory, native bf16, fp8, compute capability). Runs offline on an
 NVIDIA GPU:
 
     python bench/gpu_check.py [--out DIR]
-    python bench/gpu_check.py --dry-run      # CPU, shrunken configs, drilled OOM: under a minute
+    python bench/gpu_check.py --dry-run      # CPU, shrunken configs, drilled OOM: 1-2 minutes
+    python bench/gpu_check.py --families qwenimage          # one family's sections
+    python bench/gpu_check.py --families flux --sections rungs,compile_methods --rungs full
+
+Checkpoints are written under $TMPDIR (a real Qwen-Image is 56 GB, FLUX.1 34 GB): point it at a
+disk that holds one of them at least; the check deletes the others when the next does not fit.
 """
+
+# Where bench/configs/flux and bench/configs/qwenimage come from: the hub config.json files of
+# black-forest-labs/FLUX.1-dev and Qwen/Qwen-Image. Those cannot be read from here (no hub
+# access), so each value is from public copies of the files, checked against the classes'
+# defaults in diffusers 0.42.1 / transformers 5.24 and against the parameter counts the manifests
+# list (component_gb):
+# - flux: transformer/, text_encoder/, text_encoder_2/, vae/config.json and
+#   scheduler/scheduler_config.json. FluxTransformer2DModel's defaults are the same except
+#   guidance_embeds (dev: true). BFL's own flux repo (configs/config-dev.json) has the same depth
+#   19 + 38, axes 16/56/56, 16 latent channels, scale 0.3611 and shift 0.1159. The CLIP is
+#   openai/clip-vit-large-patch14's text tower, the T5 google/t5-v1_1-xxl's encoder (as in SD3's
+#   text_encoder_3.json), the scheduler as worker/tiny/flux.py copies it. Built at bf16 they come to
+#   23.80 + 9.52 + 0.25 + 0.17 GB, flux1-dev.yaml's component_gb exactly.
+# - qwenimage: the transformer and VAE configs are QwenImageTransformer2DModel's and
+#   AutoencoderKLQwenImage's defaults (latents_mean/std are Wan 2.1's), 40.86 + 0.25 GB at bf16.
+#   Copies of the hub transformer config also carry pooled_projection_dim 768, which the 0.42
+#   class does not take: left out. The text encoder is Qwen2.5-VL-7B-Instruct's config in
+#   transformers 5 spelling (rope_scaling + rope_theta became rope_parameters); unconfirmed that
+#   Qwen-Image's text_encoder/config.json is that file unchanged. The scheduler is as
+#   worker/tiny/qwenimage.py copies it.
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
 import tempfile
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,21 +61,35 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402 - after the path fix so `python bench/gpu_check.py` finds kiln
 
-from api_client.manifest import Manifest  # noqa: E402
-from api_client.schema import RUNGS  # noqa: E402
+from api_client.manifest import Manifest, load_manifest_file  # noqa: E402
+from api_client.schema import RUNGS, Rung  # noqa: E402
 from worker.context import LocalContext  # noqa: E402
+from worker.families import spec_of  # noqa: E402
 from worker.faults import FaultPlan  # noqa: E402
+from worker.ladder import rung_need_gb  # noqa: E402
 from worker.loading import load_pipeline  # noqa: E402
-from worker.quantize import weight_summary  # noqa: E402
+from worker.quantize import unsupported_reason, weight_summary  # noqa: E402
 from worker.render import Renderer  # noqa: E402
+from worker.resident import LoadedPipeline  # noqa: E402
 from worker.settings import Settings  # noqa: E402
 from worker.timings import TimingRecord  # noqa: E402
 
+# the same offline tokenizers as kiln's tiny models
+from worker.tiny.tokenizers import (  # noqa: E402
+    FLUX_T5_MAX_LENGTH,
+    clip_tokenizer,
+    qwen2_vl_tokenizer,
+    t5_tokenizer,
+    token_id,
+)
+
 CONFIGS = ROOT / "bench" / "configs"
-MB = 1e6
+MANIFESTS = ROOT / "manifests"
+MB, GB = 1e6, 1e9
 
 # Dry-run shrinks every width and depth so a CPU builds and renders each case in seconds, while
-# keeping the block layout (down/up block types, SDXL's text_time conditioning) of the real thing.
+# keeping the block layout (down/up block types, SDXL's text_time conditioning, FLUX's double and
+# single blocks) of the real thing. Widths that must agree across components agree here too.
 _SMALL_CLIP = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -51,6 +97,7 @@ _SMALL_CLIP = {
     "num_hidden_layers": 2,
     "projection_dim": 32,
 }
+_SMALL_T5 = {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2}
 _SMALL_VAE = {"block_out_channels": [8, 16, 16, 16], "norm_num_groups": 8, "layers_per_block": 1}
 DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
     "sd15": {
@@ -96,19 +143,113 @@ DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
         },
         "text_encoder": _SMALL_CLIP,
         "text_encoder_2": _SMALL_CLIP,
-        "text_encoder_3": {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2},
+        "text_encoder_3": _SMALL_T5,
         "vae": _SMALL_VAE,
     },
+    "flux": {
+        "transformer": {
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 64,  # T5's d_model
+            "pooled_projection_dim": 32,  # CLIP's pooled output: its hidden size
+            "axes_dims_rope": [4, 6, 6],  # sums to the head dim, as 16 + 56 + 56 does to 128
+        },
+        "text_encoder": _SMALL_CLIP,
+        "text_encoder_2": _SMALL_T5,
+        "vae": _SMALL_VAE,
+    },
+    "qwenimage": {
+        "transformer": {
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,  # the text model's hidden size
+            "axes_dims_rope": [4, 6, 6],
+        },
+        "text_encoder": {
+            "text_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                # (time, height, width) sections of a 16-wide head's 8 frequencies
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "mrope_section": [2, 3, 3],
+                    "rope_theta": 1000000.0,
+                },
+            },
+            "vision_config": {"out_hidden_size": 32},
+        },
+        "vae": {"base_dim": 8, "num_res_blocks": 1},
+    },
+}
+# On the card too: kiln only encodes text with Qwen2.5-VL, so its vision tower (0.67 B parameters,
+# 1.3 GB more on a disk that a real Qwen-Image nearly fills) is one narrow block. Its merger still
+# projects to the text width, so the model builds, saves and loads as the real class; the text
+# encoder weighs 15.2 GB instead of the 16.6 GB that qwen-image.yaml's component_gb lists.
+ALWAYS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwenimage": {
+        "text_encoder": {
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "fullatt_block_indexes": [0],
+            }
+        }
+    }
+}
+
+# Each family's tokenizers, named as its pipeline takes them; text_encoder_N reads tokenizer_N.
+TOKENIZERS: dict[str, dict[str, Callable[[], Any]]] = {
+    "sd15": {"tokenizer": clip_tokenizer},
+    "sdxl": {"tokenizer": clip_tokenizer, "tokenizer_2": clip_tokenizer},
+    "sd3": {
+        "tokenizer": clip_tokenizer,
+        "tokenizer_2": clip_tokenizer,
+        "tokenizer_3": t5_tokenizer,
+    },
+    "flux": {"tokenizer": clip_tokenizer, "tokenizer_2": lambda: t5_tokenizer(FLUX_T5_MAX_LENGTH)},
+    "qwenimage": {"tokenizer": qwen2_vl_tokenizer},
+}
+PIPELINE_EXTRAS: dict[str, dict[str, Any]] = {
+    "sd15": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
+    "sdxl": {"add_watermarker": False},
 }
 
 
 @dataclass(frozen=True)
 class Case:
+    """One family as the check builds it, with the memory figures its manifest plans with."""
+
     family: str
-    size: int
-    min_vram_gb: float  # measured-style estimates for full residency in 16-bit
-    rung_vram_gb: dict[str, float]
-    quantize: dict[str, str] = field(default_factory=dict)
+    size: int  # square, on the card; a dry run renders 128
+    min_vram_gb: float = 0.0  # measured-style estimates for full residency in 16-bit
+    rung_vram_gb: dict[str, float] = field(default_factory=dict)
+    quantize: dict[str, list[str]] = field(default_factory=dict)
+    # A published manifest whose min_vram_gb, rung_vram_gb and component_gb replace the figures
+    # above, so the rungs measure what kiln plans the real model with.
+    claims_from: str | None = None
+    guidance: tuple[float, float] = (5.0, 10.0)  # default, max
+    true_cfg: tuple[float, float] | None = None
+    # Rough seconds each item takes on the card (build: configs to checkpoint; a rung or a
+    # quantized variant: its load, a cold and a warm job; compile: one method's four jobs). An
+    # item is skipped when less is left of the budget.
+    gpu_s: dict[str, float] = field(
+        default_factory=lambda: {
+            "build": 20.0,
+            "full": 60.0,
+            "model_offload": 60.0,
+            "group_offload": 60.0,
+            "quant": 60.0,
+            "compile": 150.0,
+        }
+    )
 
 
 CASES = (
@@ -120,17 +261,64 @@ CASES = (
         1024,
         14.0,
         {"model_offload": 12.5, "group_offload": 3.0},
-        {"text_encoder_3": "int8"},
+        {"text_encoder_3": ["int8"]},
     ),
 )
+# FLUX.1 and Qwen-Image render unquantized on the rungs: with component_gb, their manifests'
+# min_vram_gb and rung_vram_gb are the figures with nothing quantized (float8 and int8 have their
+# own section). Their gpu_s are bandwidth arithmetic for an H200, not yet measured (build: 34 and
+# 56 GB written; a load: read back, then across PCIe; group offload: a pinned host copy, then
+# every weight streamed each step); the first card run's build_s, load_s and timings replace them.
+FLUX = Case(
+    "flux",
+    1024,
+    claims_from="flux1-dev.yaml",
+    guidance=(3.5, 10.0),
+    gpu_s={
+        "build": 45.0,
+        "full": 30.0,
+        "model_offload": 40.0,
+        "group_offload": 60.0,
+        "quant": 50.0,
+        "compile": 150.0,
+    },
+)
+QWEN = Case(
+    "qwenimage",
+    1024,
+    claims_from="qwen-image.yaml",
+    guidance=(0.0, 0.0),  # no guidance embedding: its CFG is true CFG
+    true_cfg=(4.0, 10.0),
+    gpu_s={
+        "build": 75.0,
+        "full": 45.0,
+        "model_offload": 60.0,
+        "group_offload": 90.0,
+        "quant": 80.0,
+        "compile": 240.0,
+    },
+)
+# The compile case's second size: a new shape after warm-up, ~1 MP on the 16 px grid like 1024^2.
+SECOND_SIZE = {False: (1152, 896), True: (144, 112)}  # keyed by dry run
+QUANT_TYPES = {"float8": "Float8Tensor", "int8": "Int8Tensor"}
+FAMILIES = (FLUX.family, QWEN.family, *(case.family for case in CASES))
+# One card run (about 8 minutes) does not hold them all: --families, --sections and --rungs cut
+# a run down to what fits, e.g. FLUX.1's compile methods against its eager full rung alone.
+SECTIONS = ("rungs", "float8_int8", "compile_methods", "compile", "int8", "oom")
 
 
 @dataclass
 class Report:
     device: str
     dry_run: bool
+    options: dict[str, Any] = field(default_factory=dict)  # what this run was asked to cover
     build_s: dict[str, float] = field(default_factory=dict)
+    checkpoint_gb: dict[str, float] = field(default_factory=dict)
+    evicted: list[str] = field(default_factory=list)  # checkpoints deleted to free the disk
+    claims: dict[str, Any] = field(default_factory=dict)  # memory figures each case planned with
     rungs: list[dict[str, Any]] = field(default_factory=list)
+    float8_int8: dict[str, Any] = field(default_factory=dict)
+    compile_methods: list[dict[str, Any]] = field(default_factory=list)
     compile: list[dict[str, Any]] = field(default_factory=list)
     int8: dict[str, Any] = field(default_factory=dict)
     int8_t5: dict[str, Any] = field(default_factory=dict)
@@ -139,47 +327,56 @@ class Report:
     skipped: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     total_s: float = 0.0
+    finished: bool = False  # false in a file a killed run left: what it measured before
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for option, known in (("families", FAMILIES), ("sections", SECTIONS), ("rungs", RUNGS)):
+        unknown = sorted(set(getattr(args, option).split(",")) - set(known))
+        if unknown:
+            parser.error(f"--{option}: no {', '.join(unknown)}; choose from {','.join(known)}")
     started = time.perf_counter()
     _quiet()
     cuda = torch.cuda.is_available() and not args.dry_run
     report = Report(device=torch.cuda.get_device_name(0) if cuda else "cpu", dry_run=args.dry_run)
+    report.options = {key: value for key, value in vars(args).items() if key != "out"}
     work = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
+    settings = Settings(
+        models_dir=work / "models",
+        manifests=work / "manifests",
+        output_dir=work / "out",
+        timings_log=work / "out" / "timings.jsonl",
+        device="cuda" if cuda else "cpu",
+        **({"inductor_cache_dir": args.out / "inductor"} if args.dry_run else {}),
+    )
+    run = Run(
+        report, settings, Shelf(report, settings.models_dir, args.dry_run, cuda), args, started
+    )
     try:
-        settings = Settings(
-            models_dir=work / "models",
-            manifests=work / "manifests",
-            output_dir=work / "out",
-            timings_log=work / "out" / "timings.jsonl",
-            device="cuda" if cuda else "cpu",
-            **({"inductor_cache_dir": args.out / "inductor"} if args.dry_run else {}),
-        )
-        steps = 2 if args.dry_run else args.steps
-        manifests = {}
-        for case in CASES:
-            t0 = time.perf_counter()
-            manifests[case.family] = _build(case, settings.models_dir, args.dry_run, cuda)
-            report.build_s[case.family] = round(time.perf_counter() - t0, 2)
-
-        def left() -> float:
-            return args.time_budget_s - (time.perf_counter() - started)
-
-        for case in CASES:
-            _check_rungs(report, settings, manifests[case.family], case, steps, args.dry_run, left)
-        _check_compile(report, settings, manifests, steps, args, left)
+        # 1. The card against kiln's profile of it: no model, no time.
         _check_profile(report, settings, cuda)
-        report.int8 = _check_int8(report, settings, manifests["sdxl"], "text_encoder_2", cuda)
-        report.int8_t5 = _check_int8(report, settings, manifests["sd3"], "text_encoder_3", cuda)
-        _check_oom(report, settings, manifests["sdxl"], steps, args.dry_run, cuda)
+        # 2. FLUX.1 and Qwen-Image first, what a first card run is for: every rung, then float8
+        #    against int8, each family's pair back to back so one checkpoint is on disk at a time.
+        for case in (FLUX, QWEN):
+            _check_rungs(run, case)
+            _check_float8_int8(run, case)
+        # 3. Regional against whole compile (FLUX.1 rebuilt if Qwen-Image pushed it off the disk).
+        for case in (FLUX, QWEN):
+            _check_compile_methods(run, case)
+        # 4. The SD families as before: rungs, compile, int8 text encoders, a real OOM.
+        for case in CASES:
+            _check_rungs(run, case)
+        _check_compile(run)
+        report.int8 = _check_int8(run, CASES[1], "text_encoder_2")
+        report.int8_t5 = _check_int8(run, CASES[2], "text_encoder_3")
+        _check_oom(run, CASES[1])
+        report.finished = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report.total_s = round(time.perf_counter() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-    _print(report, args.out / "gpu_check.json")
+        path = run.write()
+    _print(report, path)
     return 1 if report.failures else 0
 
 
@@ -204,6 +401,29 @@ def _parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=10, help="denoising steps per job (default 10)"
     )
     parser.add_argument(
+        "--qwen-steps",
+        type=int,
+        default=5,
+        help="Qwen-Image's steps per job (default 5: each step is two passes of 60 blocks at"
+        " 1024 px, true CFG at 4.0)",
+    )
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated families to check (default {','.join(FAMILIES)}); the sections"
+        " of the others are reported skipped",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run (default {','.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--rungs",
+        default=",".join(RUNGS),
+        help=f"comma-separated rungs the rungs section renders (default {','.join(RUNGS)})",
+    )
+    parser.add_argument(
         "--time-budget-s",
         type=float,
         default=420.0,
@@ -212,94 +432,295 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compile-on-cpu",
         action="store_true",
-        help="also run the compile section in a dry run (minutes on CPU)",
+        help="also run the compile sections in a dry run (minutes on CPU)",
     )
     return parser
+
+
+@dataclass
+class Run:
+    """What every section shares: the report, kiln's settings, the checkpoints, the clock."""
+
+    report: Report
+    settings: Settings
+    shelf: Shelf
+    args: argparse.Namespace
+    started: float = field(default_factory=time.perf_counter)
+
+    def steps(self, case: Case) -> int:
+        if self.args.dry_run:
+            return 2
+        return int(self.args.qwen_steps if case.family == "qwenimage" else self.args.steps)
+
+    def has_time(self, label: str, need_s: float) -> bool:
+        """Whether need_s seconds of the budget are left; if not, the item is reported skipped."""
+        left = self.args.time_budget_s - (time.perf_counter() - self.started)
+        if left >= need_s:
+            return True
+        self.report.skipped.append(
+            f"{label}: time budget spent ({left:.0f} s left of ~{need_s:.0f})"
+        )
+        return False
+
+    def write(self) -> Path:
+        """The report so far, after each item: a run the kernel kills (host memory, at a Qwen-Image
+        group offload: a pinned copy of every weight beside the loaded one) leaves what it had."""
+        self.report.total_s = round(time.perf_counter() - self.started, 1)
+        path: Path = self.args.out / "gpu_check.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(asdict(self.report), indent=2) + "\n")
+        partial.replace(path)
+        return path
+
+    def rungs(self) -> list[Rung]:
+        return [rung for rung in RUNGS if rung in self.args.rungs.split(",")]
+
+    def manifest(
+        self, case: Case, section: str, first: str, label: str | None = None
+    ) -> Manifest | None:
+        """The case's checkpoint for a section, built if it is not on disk and there is time to
+        build it and run the first item (a gpu_s key) after it; None, reported, if not."""
+        label = label or f"{section} {case.family}"
+        if section not in self.args.sections.split(","):
+            self.report.skipped.append(f"{label}: {section} is not in --sections")
+            return None
+        if case.family not in self.args.families.split(","):
+            self.report.skipped.append(f"{label}: {case.family} is not in --families")
+            return None
+        build = 0.0 if self.shelf.has(case) else case.gpu_s["build"]
+        if not self.has_time(label, build + case.gpu_s[first]):
+            return None
+        try:
+            return self.shelf.get(case)
+        except NoRoom as exc:
+            self.report.skipped.append(f"{label}: {exc}")
+            return None
 
 
 # 1. Random-weight pipelines from the configs, saved like any diffusers model
 
 
-def _build(case: Case, models_dir: Path, dry_run: bool, cuda: bool) -> Manifest:
+class NoRoom(Exception):
+    """A checkpoint the disk cannot hold even with every other one deleted."""
+
+
+class Shelf:
+    """The random-weight checkpoints on disk, each built the first time a section asks for it.
+
+    When the disk cannot take the next one, the least recently used others are deleted first: a
+    real Qwen-Image is 56 GB and FLUX.1 34 GB, more than the 64 GiB card machine holds at once."""
+
+    def __init__(
+        self,
+        report: Report,
+        models_dir: Path,
+        dry_run: bool,
+        cuda: bool,
+        free_bytes: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free,
+    ) -> None:
+        self.report, self.models_dir, self.dry_run, self.cuda = report, models_dir, dry_run, cuda
+        self.free_bytes = free_bytes
+        self._built: OrderedDict[str, Manifest] = OrderedDict()
+
+    def has(self, case: Case) -> bool:
+        return case.family in self._built
+
+    def get(self, case: Case) -> Manifest:
+        if case.family in self._built:
+            self._built.move_to_end(case.family)
+            return self._built[case.family]
+        started = time.perf_counter()
+        pipe = _pipeline(case, self.dry_run, self.cuda)
+        self._make_room(case.family, _nbytes(pipe))
+        target = self.models_dir / f"check-{case.family}"
+        pipe.save_pretrained(target, safe_serialization=True)
+        del pipe
+        _release(self.cuda)
+        self.report.build_s[case.family] = round(time.perf_counter() - started, 2)
+        on_disk = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        self.report.checkpoint_gb[case.family] = round(on_disk / GB, 3)
+        manifest = _manifest(case, target.name, self.dry_run)
+        self.report.claims[case.family] = {
+            "from": f"manifests/{case.claims_from}" if case.claims_from else "bench/gpu_check.py",
+            "min_vram_gb": manifest.min_vram_gb,
+            "rung_vram_gb": dict(manifest.rung_vram_gb),
+            "component_gb": dict(manifest.component_gb),
+        }
+        self._built[case.family] = manifest
+        return manifest
+
+    def _make_room(self, family: str, need: int) -> None:
+        # safetensors files are the tensors' bytes plus a small header; the margin covers config
+        # and tokenizer files and whatever else writes to the disk meanwhile.
+        want = int(need * 1.02) + int(0.5 * GB)
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        while self.free_bytes(self.models_dir) < want and self._built:
+            other = next(iter(self._built))
+            del self._built[other]
+            shutil.rmtree(self.models_dir / f"check-{other}", ignore_errors=True)
+            self.report.evicted.append(f"{other}: deleted to make room for {family}")
+        free = self.free_bytes(self.models_dir)
+        if free < want:
+            raise NoRoom(
+                f"{family}'s checkpoint needs {want / GB:.1f} GB; {free / GB:.1f} GB free under"
+                f" {self.models_dir} (set TMPDIR to a bigger disk)"
+            )
+
+
+def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
+    """The family's diffusers pipeline from its configs, weights random, where it will run."""
     import diffusers
-    import transformers
 
-    # the same offline tokenizers as the tiny models
-    from worker.tiny import _clip_tokenizer, _t5_tokenizer
-
-    directory = CONFIGS / case.family
-    shrink = DRY_RUN[case.family] if dry_run else {}
-    tokenizer = _clip_tokenizer()
-    t5_tokenizer = _t5_tokenizer()
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    tokenizers = {name: make() for name, make in TOKENIZERS[case.family].items()}
+    spec = spec_of(case.family)
+    # sd3 and the flow transformers overflow in fp16; kiln casts at load to its own pick anyway.
+    dtype = (torch.float16 if spec.fp16_safe else torch.bfloat16) if cuda else torch.float32
     components: dict[str, Any] = {}
-    # Weights are initialised where they will run: an SDXL UNet is 2.6 B parameters.
-    with torch.device("cuda" if cuda else "cpu"):
-        for config_file in sorted(directory.glob("*.json")):
+    # Built in 16-bit where they will run: a Qwen-Image is 20 B parameters plus a 7 B encoder,
+    # 108 GB in fp32 (torch's default dtype, which every __init__ here allocates in).
+    with torch.device("cuda" if cuda else "cpu"), _default_dtype(dtype):
+        for config_file in sorted((CONFIGS / case.family).glob("*.json")):
             name = config_file.stem
             config = json.loads(config_file.read_text())
             class_name = config.pop("_class_name")
-            config.update(shrink.get(name, {}))
-            if name == "scheduler":
-                components[name] = getattr(diffusers, class_name).from_config(config)
-            elif name == "text_encoder_3":
-                t5_ids = {
-                    "pad_token_id": t5_tokenizer.pad_token_id,
-                    "eos_token_id": t5_tokenizer.eos_token_id,
-                    "decoder_start_token_id": t5_tokenizer.pad_token_id,
-                }
-                t5_config = transformers.T5Config(**config, **t5_ids)
-                components[name] = transformers.T5EncoderModel(t5_config)
-            elif name.startswith("text_encoder"):
-                model_cls = getattr(transformers, class_name)
-                components[name] = model_cls(transformers.CLIPTextConfig(**config, **ids))
+            config = _merged(config, ALWAYS.get(case.family, {}).get(name, {}))
+            if dry_run:
+                config = _merged(config, DRY_RUN[case.family].get(name, {}))
+            if name.startswith("text_encoder"):
+                tokenizer = tokenizers[name.replace("text_encoder", "tokenizer")]
+                # A dry run's encoders read the tokenizer's few hundred ids only: the real
+                # vocab's logits (Qwen's 152064 a token) would be most of a CPU encode.
+                vocab = len(tokenizer) if dry_run else None
+                components[name] = _text_encoder(class_name, config, tokenizer, vocab)
             else:
                 components[name] = getattr(diffusers, class_name).from_config(config)
-    # sd3 overflows in fp16; kiln casts at load to the dtype it chooses anyway.
-    dtype = (torch.bfloat16 if case.family == "sd3" else torch.float16) if cuda else torch.float32
     for module in components.values():
         if isinstance(module, torch.nn.Module):
-            module.to(dtype=dtype).eval()
-    if case.family == "sd15":
-        pipe: Any = diffusers.StableDiffusionPipeline(
-            tokenizer=tokenizer,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-            **components,
+            module.eval()
+    pipeline_cls = getattr(diffusers, spec.pipeline_class)
+    return pipeline_cls(**components, **tokenizers, **PIPELINE_EXTRAS.get(case.family, {}))
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype inside a with block, as torch.device is its default device."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _merged(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """config with changes over it; nested configs (Qwen2.5-VL's text and vision) key by key."""
+    out = dict(config)
+    for key, value in changes.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if nested else value
+    return out
+
+
+def _text_encoder(
+    class_name: str, config: dict[str, Any], tokenizer: Any, vocab: int | None
+) -> torch.nn.Module:
+    """A transformers text encoder whose special token ids are its tokenizer's.
+
+    vocab None keeps the configs' real vocab sizes (49408, 32128, 152064), so the weights are the
+    real model's size; the offline tokenizers' few hundred ids all fall inside them."""
+    import transformers
+
+    if vocab is not None:  # Qwen2.5-VL's vocab is its text model's
+        change = {"vocab_size": vocab}
+        config = _merged(config, {"text_config": change} if "text_config" in config else change)
+    built = _encoder_config(class_name, config, tokenizer)
+    size = getattr(built, "text_config", built).vocab_size
+    if len(tokenizer) > size:
+        raise ValueError(f"{class_name}: vocab_size {size} < the tokenizer's {len(tokenizer)} ids")
+    module: torch.nn.Module = getattr(transformers, class_name)(built)
+    return module
+
+
+def _encoder_config(class_name: str, config: dict[str, Any], tokenizer: Any) -> Any:
+    import transformers
+
+    if class_name.startswith("CLIP"):
+        # CLIP pools at the first eos_token_id, so it must be the tokenizer's.
+        ids = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+        return transformers.CLIPTextConfig(**config, **ids)
+    if class_name == "T5EncoderModel":
+        return transformers.T5Config(
+            **config, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
         )
-    elif case.family == "sdxl":
-        pipe = diffusers.StableDiffusionXLPipeline(
-            tokenizer=tokenizer, tokenizer_2=_clip_tokenizer(), add_watermarker=False, **components
-        )
-    else:
-        pipe = diffusers.StableDiffusion3Pipeline(
-            tokenizer=tokenizer,
-            tokenizer_2=_clip_tokenizer(),
-            tokenizer_3=t5_tokenizer,
-            **components,
-        )
-    target = models_dir / f"check-{case.family}"
-    pipe.save_pretrained(target, safe_serialization=True)
-    del pipe, components
-    if cuda:
-        torch.cuda.empty_cache()
+    # Qwen2_5_VLForConditionalGeneration: its config names the vision markers' ids too.
+    text = {
+        **config["text_config"],
+        "bos_token_id": token_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return transformers.Qwen2_5_VLConfig(
+        **{key: value for key, value in config.items() if key != "text_config"},
+        text_config=text,
+        image_token_id=token_id(tokenizer, "<|image_pad|>"),
+        video_token_id=token_id(tokenizer, "<|video_pad|>"),
+        vision_start_token_id=token_id(tokenizer, "<|vision_start|>"),
+        vision_end_token_id=token_id(tokenizer, "<|vision_end|>"),
+    )
+
+
+def _nbytes(pipe: Any) -> int:
+    """Bytes of every tensor the pipeline's modules hold: what its safetensors files take."""
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _manifest(case: Case, source: str, dry_run: bool) -> Manifest:
     size = 128 if dry_run else case.size
     return Manifest(
         id=f"check-{case.family}",
-        family=case.family,
-        source=target.name,  # type: ignore[arg-type]
-        steps={"default": 10, "max": 50},
-        guidance={"default": 5.0, "max": 10.0},  # type: ignore[arg-type]
+        family=case.family,  # type: ignore[arg-type]
+        source=source,
+        steps={"default": 10, "max": 50},  # type: ignore[arg-type]
+        guidance={"default": case.guidance[0], "max": case.guidance[1]},  # type: ignore[arg-type]
+        true_cfg=(
+            None
+            if case.true_cfg is None
+            else {"default": case.true_cfg[0], "max": case.true_cfg[1]}  # type: ignore[arg-type]
+        ),
         resolutions=[(size, size)],
-        min_vram_gb=case.min_vram_gb,
-        rung_vram_gb=case.rung_vram_gb,  # type: ignore[arg-type]
         quantize=case.quantize,  # type: ignore[arg-type]
+        **_claims(case),
     )
+
+
+def _claims(case: Case) -> dict[str, Any]:
+    """The memory figures the case's manifest plans with: its published manifest's, if any."""
+    if case.claims_from is None:
+        return {"min_vram_gb": case.min_vram_gb, "rung_vram_gb": case.rung_vram_gb}
+    published = load_manifest_file(MANIFESTS / case.claims_from)
+    return {
+        "min_vram_gb": published.min_vram_gb,
+        "rung_vram_gb": dict(published.rung_vram_gb),
+        "component_gb": dict(published.component_gb),
+    }
+
+
+def _variant(manifest: Manifest, **changes: Any) -> Manifest:
+    """manifest with changes, validated again (model_copy would let a bare scheme string in)."""
+    return Manifest.model_validate({**manifest.model_dump(), **changes})
+
+
+def _release(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 # 2. Each rung: a cold job (load, cache fill) then a warm one, timed by kiln's own stopwatch
@@ -312,21 +733,32 @@ class _RecordingRenderer(Renderer):
         self.records: list[TimingRecord] = []
         super().__init__(settings, {manifest.id: manifest}, on_record=self.records.append)
 
+    def evict_all(self) -> None:
+        for model_id in self.cache.model_ids():
+            self.cache.evict(model_id)
 
-def _job(renderer: _RecordingRenderer, manifest: Manifest, steps: int, tag: str) -> dict[str, Any]:
-    size = manifest.default_size
+
+def _job(
+    renderer: _RecordingRenderer,
+    manifest: Manifest,
+    steps: int,
+    tag: str,
+    size: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    width, height = size or manifest.default_size
     payload = {
         "model": manifest.id,
         "prompt": "a lighthouse on a cliff at dusk",
         "steps": steps,
-        "width": size[0],
-        "height": size[1],
+        "width": width,
+        "height": height,
         "seed": 1,
     }
     result = renderer.render(payload, LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}"))
     record = renderer.records[-1]
     return {
         "rung": result.rung,
+        "size": f"{width}x{height}",
         "attempts": [a.model_dump(exclude_none=True) for a in result.attempts],
         "timings": {k: round(v, 4) for k, v in result.timings.model_dump().items()},
         "per_step_s": round(record.per_step_s or 0.0, 4),
@@ -336,79 +768,257 @@ def _job(renderer: _RecordingRenderer, manifest: Manifest, steps: int, tag: str)
     }
 
 
-def _check_rungs(
-    report: Report,
-    settings: Settings,
-    manifest: Manifest,
-    case: Case,
-    steps: int,
-    dry_run: bool,
-    left: Any,
-) -> None:
-    for rung in RUNGS:
+def _weights(loaded: LoadedPipeline | None, component: str) -> dict[str, Any]:
+    """What a loaded pipeline holds: one component's linear weight types and bytes, the device
+    bytes its load took, and what its quantize switch reported."""
+    if loaded is None:
+        return {}
+    kinds, weight_bytes = weight_summary(getattr(loaded.pipe, component))
+    notes = [
+        {"kind": kind, **note.model_dump()}
+        for kind in ("applied", "skipped")
+        for note in getattr(loaded.settings, kind)
+        if note.name.startswith("quantize")
+    ]
+    return {
+        "component": component,
+        "weight_types": sorted(kinds),
+        "weight_bytes": weight_bytes,
+        "weight_mb": round(weight_bytes / MB, 3),
+        "pipeline_device_mb": round(loaded.device_bytes / MB, 1),
+        "quantize": notes,
+    }
+
+
+def _check_rungs(run: Run, case: Case) -> None:
+    rungs = run.rungs()
+    manifest = run.manifest(case, "rungs", rungs[0]) if rungs else None
+    if manifest is None:
+        return
+    for rung in rungs:
         label = f"{case.family}@{manifest.default_size[0]} {rung}"
-        if left() < 60:
-            report.skipped.append(f"rung {label}: time budget spent")
+        if not run.has_time(f"rung {label}", case.gpu_s[rung]):
             continue
-        pinned = settings.model_copy(update={"memory_mode": rung, "compile": "off"})
-        renderer = _RecordingRenderer(pinned, manifest)
         try:
-            cold = _job(renderer, manifest, steps, "cold")
-            warm = _job(renderer, manifest, steps, "warm")
+            row = {"case": label, **_rung(run, case, manifest, rung)}
+            run.report.rungs.append(row)
+            if row["warm"]["rung"] != rung:
+                run.report.failures.append(f"rung {label}: rendered at {row['warm']['rung']}")
         except Exception as exc:  # a rung that cannot render is the failure this check exists for
-            report.failures.append(f"rung {label}: {type(exc).__name__}: {exc}")
-            continue
+            run.report.failures.append(f"rung {label}: {type(exc).__name__}: {exc}")
         finally:
-            for model_id in renderer.cache.model_ids():
-                renderer.cache.evict(model_id)
-        report.rungs.append(
-            {
-                "case": label,
-                "rung": rung,
-                "load_s": cold["timings"]["load"],
-                "cold": cold,
-                "warm": warm,
-            }
+            run.write()
+
+
+def _rung(run: Run, case: Case, manifest: Manifest, rung: Rung) -> dict[str, Any]:
+    pinned = run.settings.model_copy(update={"memory_mode": rung, "compile": "off"})
+    renderer = _RecordingRenderer(pinned, manifest)
+    try:
+        cold = _job(renderer, manifest, run.steps(case), "cold")
+        warm = _job(renderer, manifest, run.steps(case), "warm")
+        weights = _weights(renderer.cache.get(manifest.id), spec_of(case.family).denoiser)
+    finally:
+        renderer.evict_all()
+    return {
+        "rung": rung,
+        "load_s": cold["timings"]["load"],
+        # what kiln's ladder plans this rung with, to read against the measured peak
+        "claimed_gb": round(rung_need_gb(manifest, rung), 2),
+        "denoiser": weights,
+        "cold": cold,
+        "warm": warm,
+    }
+
+
+# 3. float8 against int8 on the FLUX.1 and Qwen-Image transformers, at full, next to bf16
+
+
+def _check_float8_int8(run: Run, case: Case) -> None:
+    component = "transformer"
+    manifest = run.manifest(case, "float8_int8", "quant")
+    if manifest is None:
+        return
+    label = f"{case.family}@{manifest.default_size[0]}"
+    full = next((r for r in run.report.rungs if r["case"] == f"{label} full"), None)
+    figures: dict[str, Any] = {"case": label, "component": component}
+    run.report.float8_int8[case.family] = figures
+    if full is not None:  # the rungs section rendered it unquantized at full already
+        figures["unquantized"] = {
+            **full["denoiser"],
+            "warm_denoise_s": full["warm"]["timings"]["denoise"],
+        }
+    for scheme in ("float8", "int8") if full is not None else (None, "float8", "int8"):
+        name = scheme or "unquantized"
+        if not run.has_time(f"float8_int8 {label} {name}", case.gpu_s["quant"]):
+            continue
+        variant = _variant(manifest, quantize={component: [scheme]} if scheme else {})
+        try:
+            figures[name] = _quantized(run, case, variant, component)
+        except Exception as exc:
+            run.report.failures.append(f"float8_int8 {label} {name}: {type(exc).__name__}: {exc}")
+        finally:
+            run.write()
+    for scheme in ("float8", "int8"):
+        _expect_scheme(run, label, figures, scheme)
+
+
+def _quantized(run: Run, case: Case, variant: Manifest, component: str) -> dict[str, Any]:
+    """One variant at full: its weights, load and warm denoise. A scheme kiln says this card
+    cannot run is loaded for kiln's report of that and not rendered: it would run unquantized,
+    a second measure of the baseline."""
+    from worker.device import probe
+
+    info = probe(run.settings)
+    schemes = variant.quantize.get(component, [])
+    why = {scheme: unsupported_reason(scheme, info) for scheme in schemes}
+    if schemes and all(why.values()):
+        loaded = load_pipeline(variant, "full", info, run.settings, FaultPlan())
+        figures = {**_weights(loaded, component), "load_s": round(loaded.load_s, 4)}
+        loaded.pipe = None
+        del loaded
+        _release(run.shelf.cuda)
+        return {**figures, "unsupported_reason": why, "warm_denoise_s": None}
+    renderer = _RecordingRenderer(
+        run.settings.model_copy(update={"memory_mode": "full", "compile": "off"}), variant
+    )
+    try:
+        cold = _job(renderer, variant, run.steps(case), "quant-cold")
+        warm = _job(renderer, variant, run.steps(case), "quant-warm")
+        weights = _weights(renderer.cache.get(variant.id), component)
+    finally:
+        renderer.evict_all()
+    return {
+        **weights,
+        "unsupported_reason": why,
+        "load_s": cold["timings"]["load"],
+        "warm_denoise_s": warm["timings"]["denoise"],
+        "warm_peak_mb": warm["peak_mb"],
+    }
+
+
+def _expect_scheme(run: Run, label: str, figures: dict[str, Any], scheme: str) -> None:
+    """A scheme applies where kiln says the card runs it, and its weights are torchao's and
+    smaller; where kiln says it cannot, it is reported skipped with that reason."""
+    got, base = figures.get(scheme), figures.get("unquantized")
+    if got is None or base is None:
+        return
+    base_bytes = base["weight_bytes"]
+    why = got["unsupported_reason"].get(scheme)
+    note = next((n for n in got["quantize"] if n["name"] == f"quantize:{got['component']}"), None)
+    outcome = note["kind"] if note else None
+    got["outcome"] = outcome
+    if why is not None:
+        if outcome != "skipped" or why not in note["reason"]:  # type: ignore[index]
+            run.report.failures.append(f"{scheme} {label}: expected skipped ({why}), got {note}")
+        return
+    if outcome != "applied":
+        run.report.failures.append(f"{scheme} {label}: not applied: {note}")
+    elif got["weight_types"] != [QUANT_TYPES[scheme]] or got["weight_bytes"] >= base_bytes:
+        run.report.failures.append(
+            f"{scheme} {label}: weights {got['weight_types']} {got['weight_bytes']} bytes,"
+            f" unquantized {base_bytes}"
         )
-        if warm["rung"] != rung:
-            report.failures.append(f"rung {label}: rendered at {warm['rung']}")
+    got["weight_drop_mb"] = round((base_bytes - got["weight_bytes"]) / MB, 3)
+    got["device_drop_mb"] = round(base["pipeline_device_mb"] - got["pipeline_device_mb"], 1)
+    if got["warm_denoise_s"]:
+        got["speedup"] = round(base["warm_denoise_s"] / got["warm_denoise_s"], 2)
 
 
-# 3. Compile at full: speedup of warm denoise over the eager warm job of the same case
+# 4. Regional against whole compile at full, across two sizes, against the eager warm job
 
 
-def _check_compile(
-    report: Report,
-    settings: Settings,
-    manifests: dict[str, Manifest],
-    steps: int,
-    args: argparse.Namespace,
-    left: Any,
-) -> None:
-    if args.dry_run and not args.compile_on_cpu:
-        report.skipped.append(
+def _check_compile_methods(run: Run, case: Case) -> None:
+    if run.args.dry_run and not run.args.compile_on_cpu:
+        run.report.skipped.append(
+            f"compile_methods {case.family}: dry run on CPU (Inductor takes minutes here);"
+            " --compile-on-cpu"
+        )
+        return
+    manifest = run.manifest(case, "compile_methods", "compile")
+    if manifest is None:
+        return
+    first, second = manifest.default_size, SECOND_SIZE[bool(run.args.dry_run)]
+    label = f"{case.family}@{first[0]}"
+    eager = next((r["warm"] for r in run.report.rungs if r["case"] == f"{label} full"), None)
+    for method in ("regional", "whole"):
+        if not run.has_time(f"compile_methods {label} {method}", case.gpu_s["compile"]):
+            continue
+        variant = _variant(manifest, compile_method=method, resolutions=[first, second])
+        try:
+            entry = {"case": label, "method": method, **_compiled(run, case, variant, second)}
+            if eager is not None and entry["warm_denoise_s"] > 0:
+                entry["eager_warm_denoise_s"] = eager["timings"]["denoise"]
+                entry["speedup"] = round(eager["timings"]["denoise"] / entry["warm_denoise_s"], 2)
+            run.report.compile_methods.append(entry)
+            if not entry["compiled"]:
+                run.report.failures.append(f"compile {label} {method}: did not compile")
+        except Exception as exc:
+            run.report.failures.append(f"compile {label} {method}: {type(exc).__name__}: {exc}")
+        finally:
+            run.write()
+
+
+def _compiled(run: Run, case: Case, variant: Manifest, second: tuple[int, int]) -> dict[str, Any]:
+    # Each method's cold compile starts from nothing, not from the graphs the other one left.
+    torch._dynamo.reset()
+    renderer = _RecordingRenderer(
+        run.settings.model_copy(update={"memory_mode": "full", "compile": "on"}), variant
+    )
+    steps = run.steps(case)
+    try:
+        cold = _job(renderer, variant, steps, "compile-cold")
+        warm = _job(renderer, variant, steps, "compile-warm")
+        resized = _job(renderer, variant, steps, "compile-resized", second)
+        resized_warm = _job(renderer, variant, steps, "compile-resized-warm", second)
+        loaded = renderer.cache.get(variant.id)
+        applied = loaded.settings.applied if loaded is not None else []
+        how = next((n.reason for n in applied if n.name == "compile"), None)
+    finally:
+        renderer.evict_all()
+    return {
+        "how": how,
+        "compiled": cold["compiled"],
+        "load_s": cold["timings"]["load"],
+        "cold_job_s": cold["timings"]["total"],
+        "cold_denoise_s": cold["timings"]["denoise"],
+        "warm_denoise_s": warm["timings"]["denoise"],
+        "second_size": resized["size"],
+        "second_cold_denoise_s": resized["timings"]["denoise"],
+        "second_warm_denoise_s": resized_warm["timings"]["denoise"],
+        # graphs rebuilt after the first job: the new size's, then none at it again
+        "recompiles_after_warmup": warm["recompiles"],
+        "recompiles_at_second_size": resized["recompiles"],
+        "recompiles_total": resized_warm["recompiles"],
+        "recompile_causes": [c for r in renderer.records for c in r.recompile_causes],
+    }
+
+
+# 5. The SD families' compile at full: speedup of warm denoise over the eager warm job
+
+
+def _check_compile(run: Run) -> None:
+    if run.args.dry_run and not run.args.compile_on_cpu:
+        run.report.skipped.append(
             "compile: dry run on CPU (Inductor takes minutes here); --compile-on-cpu"
         )
         return
     for case in CASES:
-        manifest = manifests[case.family]
-        label = f"{case.family}@{manifest.default_size[0]}"
-        if left() < 150:
-            report.skipped.append(f"compile {label}: time budget spent")
+        manifest = run.manifest(case, "compile", "compile")
+        if manifest is None:
             continue
-        eager = next((r["warm"] for r in report.rungs if r["case"] == f"{label} full"), None)
+        label = f"{case.family}@{manifest.default_size[0]}"
+        eager = next((r["warm"] for r in run.report.rungs if r["case"] == f"{label} full"), None)
         renderer = _RecordingRenderer(
-            settings.model_copy(update={"memory_mode": "full", "compile": "on"}), manifest
+            run.settings.model_copy(update={"memory_mode": "full", "compile": "on"}), manifest
         )
         try:
-            cold = _job(renderer, manifest, steps, "compile-cold")
-            warm = [_job(renderer, manifest, steps, f"compile-warm{i}") for i in range(2)]
+            cold = _job(renderer, manifest, run.steps(case), "compile-cold")
+            warm = [_job(renderer, manifest, run.steps(case), f"compile-warm{i}") for i in range(2)]
         except Exception as exc:
-            report.failures.append(f"compile {label}: {type(exc).__name__}: {exc}")
+            run.report.failures.append(f"compile {label}: {type(exc).__name__}: {exc}")
             continue
         finally:
-            for model_id in renderer.cache.model_ids():
-                renderer.cache.evict(model_id)
+            renderer.evict_all()
         best = min(w["timings"]["denoise"] for w in warm)
         entry = {
             "case": label,
@@ -420,26 +1030,26 @@ def _check_compile(
         if eager is not None and best > 0:
             entry["eager_warm_denoise_s"] = eager["timings"]["denoise"]
             entry["speedup"] = round(eager["timings"]["denoise"] / best, 2)
-        report.compile.append(entry)
+        run.report.compile.append(entry)
         if not cold["compiled"]:
-            report.failures.append(f"compile {label}: did not compile")
+            run.report.failures.append(f"compile {label}: did not compile")
 
 
-# 4. int8 of a big text encoder (SDXL's second CLIP, SD3's T5): weight bytes and device memory
+# 6. int8 of a big text encoder (SDXL's second CLIP, SD3's T5): weight bytes and device memory
 
 
-def _check_int8(
-    report: Report, settings: Settings, manifest: Manifest, component: str, cuda: bool
-) -> dict[str, Any]:
+def _check_int8(run: Run, case: Case, component: str) -> dict[str, Any]:
     from worker.device import probe
 
-    info = probe(settings)
+    manifest = run.manifest(case, "int8", "quant", f"int8 {component}")
+    if manifest is None:
+        return {}
+    info = probe(run.settings)
     figures: dict[str, Any] = {"component": component}
-    for label, quantize in (("bf16_or_fp32", {}), ("int8", {component: "int8"})):
-        variant = manifest.model_copy(update={"quantize": quantize})
-        if cuda:
-            torch.cuda.empty_cache()
-        loaded = load_pipeline(variant, "full", info, settings, FaultPlan())
+    for label, quantize in (("bf16_or_fp32", {}), ("int8", {component: ["int8"]})):
+        variant = _variant(manifest, quantize=quantize)
+        _release(run.shelf.cuda)
+        loaded = load_pipeline(variant, "full", info, run.settings, FaultPlan())
         kinds, weight_bytes = weight_summary(getattr(loaded.pipe, component))
         figures[label] = {
             "weight_types": sorted(kinds),
@@ -452,22 +1062,18 @@ def _check_int8(
         }
         loaded.pipe = None
         del loaded
-        import gc
-
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        _release(run.shelf.cuda)
     before, after = figures["bf16_or_fp32"]["weight_bytes"], figures["int8"]["weight_bytes"]
     figures["weight_drop_mb"] = round((before - after) / MB, 3)
     figures["device_drop_mb"] = round(
         figures["bf16_or_fp32"]["pipeline_device_mb"] - figures["int8"]["pipeline_device_mb"], 1
     )
     if figures["int8"]["weight_types"] != ["Int8Tensor"] or after >= before:
-        report.failures.append(f"int8 {component}: weights did not shrink: {before} -> {after}")
+        run.report.failures.append(f"int8 {component}: weights did not shrink: {before} -> {after}")
     return figures
 
 
-# 5. The card against kiln's profile of it: what KILN_DEVICE_PROFILE decides with is what it has
+# 7. The card against kiln's profile of it: what KILN_DEVICE_PROFILE decides with is what it has
 
 
 def _check_profile(report: Report, settings: Settings, cuda: bool) -> None:
@@ -515,13 +1121,15 @@ def _check_profile(report: Report, settings: Settings, cuda: bool) -> None:
         )
 
 
-# 6. A real OOM: cap this process's share of the card below SDXL's full-rung need
+# 8. A real OOM: cap this process's share of the card below SDXL's full-rung need
 
 
-def _check_oom(
-    report: Report, settings: Settings, manifest: Manifest, steps: int, dry_run: bool, cuda: bool
-) -> None:
-    auto = settings.model_copy(update={"memory_mode": "auto", "compile": "off"})
+def _check_oom(run: Run, case: Case) -> None:
+    manifest = run.manifest(case, "oom", "full", "oom")
+    if manifest is None:
+        return
+    auto = run.settings.model_copy(update={"memory_mode": "auto", "compile": "off"})
+    cuda = run.shelf.cuda
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         # 16-bit SDXL is ~7 GB of weights (UNet 5.1 GB): full cannot load and model_offload
@@ -536,33 +1144,54 @@ def _check_oom(
         how = "drilled: KILN_FAULTS=oom@load:full,oom@denoise:model_offload*2 (no GPU)"
     renderer = _RecordingRenderer(auto, manifest)
     try:
-        job = _job(renderer, manifest, steps, "oom")
-        report.oom = {"how": how, **job}
+        job = _job(renderer, manifest, run.steps(case), "oom")
+        run.report.oom = {"how": how, **job}
         if job["rung"] == "full" or not any(a["outcome"] == "oom" for a in job["attempts"]):
-            report.failures.append(f"oom: no out-of-memory happened ({job['attempts']})")
+            run.report.failures.append(f"oom: no out-of-memory happened ({job['attempts']})")
     except Exception as exc:
         records = renderer.records
         attempts = (
             [a.model_dump(exclude_none=True) for a in records[-1].attempts] if records else []
         )
-        report.oom = {"how": how, "error": f"{type(exc).__name__}: {exc}", "attempts": attempts}
-        report.failures.append(f"oom: the ladder did not survive: {exc}")
+        run.report.oom = {"how": how, "error": f"{type(exc).__name__}: {exc}", "attempts": attempts}
+        run.report.failures.append(f"oom: the ladder did not survive: {exc}")
     finally:
-        for model_id in renderer.cache.model_ids():
-            renderer.cache.evict(model_id)
+        renderer.evict_all()
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
 def _print(report: Report, path: Path) -> None:
     print(f"kiln gpu check on {report.device}{' (dry run)' if report.dry_run else ''}")
-    print(f"  built: {report.build_s} s")
+    print(f"  built: {report.build_s} s; on disk {report.checkpoint_gb} GB")
+    for line in report.evicted:
+        print(f"  evicted: {line}")
     for row in report.rungs:
         t = row["warm"]["timings"]
         print(
             f"  {row['case']:<28} load {row['load_s']:.2f}s  encode {t['text_encode']:.3f}"
             f"  denoise {t['denoise']:.3f}  decode {t['decode']:.3f}  total {t['total']:.3f}"
-            f"  peak {row['warm']['peak_mb']:.0f} MB"
+            f"  peak {row['warm']['peak_mb']:.0f} MB (plans {row['claimed_gb']} GB)"
+        )
+    for family, figures in report.float8_int8.items():
+        for name in ("unquantized", "float8", "int8"):
+            got = figures.get(name)
+            if not got:
+                continue
+            outcome = got.get("outcome", "") if name != "unquantized" else ""
+            denoise = got["warm_denoise_s"]
+            print(
+                f"  {family} {figures['component']} {name:<11} {outcome:<8}"
+                f" {got['weight_mb']} MB {got['weight_types']}"
+                f"  device {got['pipeline_device_mb']} MB"
+                f"  warm denoise {'not rendered' if denoise is None else f'{denoise}s'}"
+            )
+    for entry in report.compile_methods:
+        print(
+            f"  compile {entry['case']} {entry['method']}: cold job {entry['cold_job_s']:.1f}s,"
+            f" warm {entry['warm_denoise_s']:.3f}s (eager {entry.get('eager_warm_denoise_s', '?')},"
+            f" speedup {entry.get('speedup', '?')}x), at {entry['second_size']}"
+            f" {entry['recompiles_at_second_size']} recompiles, {entry['recompiles_total']} in all"
         )
     for entry in report.compile:
         print(

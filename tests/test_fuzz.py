@@ -54,11 +54,12 @@ anything = st.one_of(
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
 plausible = {
-    "model": st.sampled_from([MODEL, "tiny-sdxl", "nope", ""]),
+    "model": st.sampled_from([MODEL, "tiny-sdxl", "tiny-flux", "nope", ""]),
     "prompt": weird_text,
     "negative_prompt": weird_text,
     "steps": st.integers(min_value=-5, max_value=60),
     "guidance": st.floats(min_value=-2, max_value=20),
+    "true_cfg": st.one_of(st.none(), st.floats(min_value=-1, max_value=12)),
     "width": st.sampled_from([0, -128, 128, 192, 4096, 10**12]),
     "height": st.sampled_from([0, -128, 128, 192, 4096]),
     "seed": st.integers(min_value=-10, max_value=2**33),

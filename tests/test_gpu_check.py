@@ -1,6 +1,9 @@
 """bench/gpu_check.py --dry-run on CPU: the real-architecture configs build (shrunk), every
-rung renders through kiln's renderer, int8 shrinks SDXL's text encoder and SD3's T5, the drilled
-OOM is survived, and the profile comparison says it had no GPU to compare."""
+rung of every family (FLUX.1 and Qwen-Image too) renders through kiln's renderer, float8 is
+reported skipped on the CPU while int8 shrinks the FLUX.1 and Qwen-Image transformers, int8
+shrinks SDXL's text encoder and SD3's T5, the drilled OOM is survived, and the profile comparison
+says it had no GPU to compare. A run cut down by --families, --sections and --rungs does only
+that, and the checkpoint shelf deletes the least recently used others when the disk is short."""
 
 from __future__ import annotations
 
@@ -9,33 +12,98 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
+FAMILIES = ("flux", "qwenimage", "sd15", "sdxl", "sd3")
+RUNGS = ("full", "model_offload", "group_offload")
+# worker.quantize.unsupported_reason on a CPU
+NO_FLOAT8 = "float8 needs a CUDA or ROCm device (torchao kernels); this is cpu"
 
-def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path) -> None:
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu-check")
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["dry_run"] and not report["failures"]
+    return json.loads((out / "gpu_check.json").read_text()), done.stdout
+
+
+def test_dry_run_passes_on_cpu(dry_run: tuple[dict, str]) -> None:
+    report, stdout = dry_run
+    assert report["dry_run"] and report["finished"] and not report["failures"]
+    assert "PASS" in stdout
+    assert set(report["build_s"]) == set(FAMILIES) and not report["evicted"]
+    assert report["profile"] == {"skipped": "no GPU: nothing to compare a profile with"}
+
+
+def test_every_family_renders_at_every_rung(dry_run: tuple[dict, str]) -> None:
+    report, _ = dry_run
     cases = {(row["case"].split("@")[0], row["rung"]) for row in report["rungs"]}
-    assert cases == {
-        (f, r) for f in ("sd15", "sdxl", "sd3") for r in ("full", "model_offload", "group_offload")
-    }
+    assert cases == {(f, r) for f in FAMILIES for r in RUNGS}
     for row in report["rungs"]:
         assert row["warm"]["rung"] == row["rung"] and row["warm"]["timings"]["denoise"] > 0
+        assert row["claimed_gb"] > 0 and row["denoiser"]["weight_bytes"] > 0
+
+
+def test_new_families_plan_with_their_published_manifests(dry_run: tuple[dict, str]) -> None:
+    from api_client.manifest import load_manifest_file
+
+    report, _ = dry_run
+    for family, file in (("flux", "flux1-dev.yaml"), ("qwenimage", "qwen-image.yaml")):
+        published = load_manifest_file(ROOT / "manifests" / file)
+        claims = report["claims"][family]
+        assert claims["from"] == f"manifests/{file}"
+        assert claims["min_vram_gb"] == published.min_vram_gb
+        assert claims["rung_vram_gb"] == published.rung_vram_gb
+        assert claims["component_gb"] == published.component_gb
+        full = next(r for r in report["rungs"] if r["case"] == f"{family}@128 full")
+        assert full["claimed_gb"] == published.min_vram_gb
+
+
+def test_float8_is_skipped_on_cpu_and_int8_shrinks_the_transformers(
+    dry_run: tuple[dict, str],
+) -> None:
+    report, _ = dry_run
+    for family in ("flux", "qwenimage"):
+        figures = report["float8_int8"][family]
+        base, float8, int8 = figures["unquantized"], figures["float8"], figures["int8"]
+        assert figures["component"] == "transformer"
+        assert float8["outcome"] == "skipped" and float8["warm_denoise_s"] is None
+        (note,) = [n for n in float8["quantize"] if n["name"] == "quantize:transformer"]
+        assert note["kind"] == "skipped" and NO_FLOAT8 in note["reason"]
+        assert float8["weight_bytes"] == base["weight_bytes"]
+        assert int8["outcome"] == "applied" and int8["weight_types"] == ["Int8Tensor"]
+        assert int8["weight_bytes"] < base["weight_bytes"] and int8["warm_denoise_s"] > 0
+
+
+def test_compile_sections_are_skipped_in_a_dry_run(dry_run: tuple[dict, str]) -> None:
+    report, _ = dry_run
+    assert report["compile"] == [] and report["compile_methods"] == []
+    assert {line.split(":")[0] for line in report["skipped"]} == {
+        "compile",
+        "compile_methods flux",
+        "compile_methods qwenimage",
+    }
+
+
+def test_sd_text_encoders_shrink_in_int8_and_the_ladder_survives_oom(
+    dry_run: tuple[dict, str],
+) -> None:
+    report, _ = dry_run
     int8 = report["int8"]
     assert int8["int8"]["weight_types"] == ["Int8Tensor"]
     assert int8["int8"]["weight_bytes"] < int8["bf16_or_fp32"]["weight_bytes"]
     t5 = report["int8_t5"]
     assert t5["component"] == "text_encoder_3" and t5["int8"]["weight_types"] == ["Int8Tensor"]
     assert t5["int8"]["weight_bytes"] < t5["bf16_or_fp32"]["weight_bytes"]
-    assert report["profile"] == {"skipped": "no GPU: nothing to compare a profile with"}
     outcomes = [(a["rung"], a["outcome"]) for a in report["oom"]["attempts"]]
     assert outcomes == [
         ("full", "oom"),
@@ -43,4 +111,61 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path: Path) -> None:
         ("model_offload", "oom"),
         ("group_offload", "ok"),
     ]
-    assert "PASS" in done.stdout
+
+
+def test_a_run_cut_down_to_one_rung_of_one_family(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_check.py",
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            *("--families", "sd15", "--sections", "rungs,oom", "--rungs", "full"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [row["case"] for row in report["rungs"]] == ["sd15@128 full"]
+    assert report["options"]["rungs"] == "full" and report["finished"]
+    assert "rungs flux: flux is not in --families" in report["skipped"]
+    assert "int8 text_encoder_2: int8 is not in --sections" in report["skipped"]
+    assert "oom: sdxl is not in --families" in report["skipped"]
+
+
+def test_shelf_deletes_the_least_recently_used_checkpoint_when_the_disk_is_short(
+    tmp_path: Path,
+) -> None:
+    import bench.gpu_check as check
+
+    sd15, sdxl, sd3 = check.CASES
+    room = {"rule": "plenty"}
+
+    def free_bytes(_: Path) -> int:
+        if room["rule"] == "none":
+            return 0
+        if room["rule"] == "once sdxl is gone" and (tmp_path / "check-sdxl").exists():
+            return 0
+        return 10**12
+
+    report = check.Report(device="cpu", dry_run=True)
+    shelf = check.Shelf(report, tmp_path, dry_run=True, cuda=False, free_bytes=free_bytes)
+    shelf.get(sd15)
+    shelf.get(sdxl)
+    assert shelf.get(sd15).source == "check-sd15"  # on disk already: now the most recently used
+    room["rule"] = "once sdxl is gone"
+    shelf.get(sd3)
+    assert report.evicted == ["sdxl: deleted to make room for sd3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["check-sd15", "check-sd3"]
+    room["rule"] = "none"
+    with pytest.raises(check.NoRoom, match="sdxl's checkpoint needs"):
+        shelf.get(sdxl)
+    assert report.evicted[1:] == [
+        "sd15: deleted to make room for sdxl",
+        "sd3: deleted to make room for sdxl",
+    ]
+    assert list(tmp_path.iterdir()) == []
