@@ -11,7 +11,8 @@ import torch
 from worker.settings import Settings
 
 # torch.compile's dynamic=: None marks a dimension dynamic after it first changes (one recompile
-# per compiled graph, then no more for new sizes); bench/compile.py measures True against it.
+# per compiled graph, then no more for new sizes). True, dynamic from the first compile, saved
+# that recompile but did not measure better over three sizes (bench/RESULTS.md); the bench sets it.
 DYNAMIC: bool | None = None
 
 
@@ -38,8 +39,8 @@ def compile_denoiser(denoiser: torch.nn.Module, settings: Settings, method: str 
     """Wrap the denoiser for torch.compile (lazy: graphs are built at the first forward).
 
     regional (auto's choice where the denoiser declares repeated blocks) compiles one graph
-    per block class, reused by every instance: measured on the tiny UNet, it cut three sizes'
-    compile from 258 s to 41 s (bench/RESULTS.md). whole compiles the denoiser as one graph."""
+    per block class, reused by every instance: on the tiny UNet, three sizes' compile took 29 s
+    against 157 s whole (bench/RESULTS.md). whole compiles the denoiser as one graph."""
     use_persistent_cache(settings)
     blocks = getattr(denoiser, "_repeated_blocks", None)
     name = type(denoiser).__name__
