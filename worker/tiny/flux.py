@@ -52,7 +52,7 @@ def flux() -> FluxPipeline:
         lambda: kl_vae(FLUX_LATENT_CHANNELS, FLUX_VAE_SCALING, shift_factor=FLUX_VAE_SHIFT),
     )
     return FluxPipeline(
-        scheduler=_flux1_dev_scheduler(),
+        scheduler=flux1_dev_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -62,7 +62,7 @@ def flux() -> FluxPipeline:
     )
 
 
-def _flux1_dev_scheduler() -> FlowMatchEulerDiscreteScheduler:
+def flux1_dev_scheduler() -> FlowMatchEulerDiscreteScheduler:
     # black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json: the shift grows with the
     # image's token count (mu from base_shift at 256 tokens to max_shift at 4096).
     return FlowMatchEulerDiscreteScheduler(

@@ -7,12 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 import torch
-from diffusers import (
-    AutoencoderKLFlux2,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Transformer2DModel,
-)
+from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
 from transformers import Qwen3ForCausalLM
 
 from worker.tiny.components import (
@@ -23,6 +18,7 @@ from worker.tiny.components import (
     qwen3_config,
     seeded,
 )
+from worker.tiny.flux import flux1_dev_scheduler
 from worker.tiny.tokenizers import qwen3_tokenizer
 
 FLUX2_LATENT_CHANNELS: Final = 32
@@ -59,7 +55,10 @@ def flux2() -> Flux2KleinPipeline:
     )
     vae = seeded(53, _flux2_vae)
     return Flux2KleinPipeline(
-        scheduler=_flux2_scheduler(),
+        # diffusers' scripts/convert_flux2_to_diffusers.py gives FLUX.2 FLUX.1-dev's scheduler
+        # config; klein is taken to ship the same. The pipeline passes its own empirical mu
+        # (compute_empirical_mu), so base/max_shift go unread.
+        scheduler=flux1_dev_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -88,18 +87,3 @@ def _flux2_vae() -> AutoencoderKLFlux2:
         vae.bn.running_mean.normal_(0.0, 0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
     return vae
-
-
-def _flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    # diffusers' scripts/convert_flux2_to_diffusers.py gives FLUX.2 FLUX.1-dev's scheduler
-    # config; klein is taken to ship the same. Dynamic shifting must be on: the pipeline passes
-    # its own empirical mu (compute_empirical_mu), so base/max_shift go unread.
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
