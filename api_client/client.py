@@ -30,6 +30,7 @@ from api_client.schema import (
     RenderRequest,
     TimingFit,
     WorkerState,
+    request_payload,
 )
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class KilnClient:
         given, job_id = job_id is not None, job_id or uuid.uuid4().hex
         job = queue.create_job(
             RENDER_FUNC,
-            kwargs={"request": resolved.model_dump(mode="json")},
+            kwargs={"request": request_payload(resolved)},
             job_id=job_id,
             retry=Retry(max=ABANDONED_RETRIES),
             timeout=timeout_s,
@@ -209,7 +210,7 @@ class KilnClient:
             queued = {}
         if parsed.seed is None and isinstance(queued.get("seed"), int):
             resolved = resolved.model_copy(update={"seed": queued["seed"]})
-        if resolved.model_dump(mode="json") != queued:
+        if request_payload(resolved) != queued:
             raise RequestRejected(
                 [
                     Problem(

@@ -282,6 +282,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         problems.append(
             Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
         )
+    problems += _pin_problems(request, manifest)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -333,6 +334,21 @@ def _negative_prompt_problems(
         why = f"{rule.field} is {value:g}; the negative prompt needs {rule.field} above"
         why += f" {rule.above:g} on {manifest.id}, or it has no effect"
     return [Problem("negative_prompt", request.negative_prompt[:40], why)]
+
+
+def _pin_problems(request: RenderRequest, manifest: Manifest) -> list[Problem]:
+    """A replay's compile pin against its rung and the manifest: torch.compile runs only at full
+    (offload hooks and Inductor conflict), never where the manifest switches it off, and always
+    where the manifest requires it at full."""
+    if request.compile is True and request.rung not in (None, "full"):
+        why = f"compile runs only at rung full, and the request pins rung {request.rung}"
+        return [Problem("compile", True, why)]
+    if request.compile is True and manifest.compile == "off":
+        return [Problem("compile", True, f"model {manifest.id}'s manifest switches compile off")]
+    if request.compile is False and request.rung == "full" and manifest.compile == "required":
+        why = f"model {manifest.id}'s manifest requires compile at rung full (compile: required)"
+        return [Problem("compile", False, why)]
+    return []
 
 
 def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Manifest:

@@ -57,6 +57,11 @@ class RenderRequest(BaseModel):
     # taesd weights); off by default: nobody watching, nothing drawn.
     previews: bool = False
     webhook: str | None = None  # the name of a target in the workers' KILN_WEBHOOKS, never a URL
+    # Replays pin what else changes pixels: the ladder's rung and whether the denoiser is
+    # compiled. None lets the worker decide; a pinned value is honoured or the job fails naming
+    # why (never a silent descent or fallback).
+    rung: Rung | None = None
+    compile: bool | None = None
 
     @field_validator("webhook")
     @classmethod
@@ -102,11 +107,27 @@ class RenderRequest(BaseModel):
             raise RequestRejected(problems, model=model) from None
 
 
+# Request fields added after requests were first stored; unset, they are left out of the wire form
+# and the digest, so a request that does not use them reads exactly as it did before they existed
+# (to workers not yet upgraded, and to result.json files written before).
+LATER_FIELDS = ("true_cfg", "rung", "compile")
+
+
+def _unset_later_fields(request: RenderRequest) -> set[str]:
+    return {name for name in LATER_FIELDS if getattr(request, name) is None}
+
+
+def request_payload(request: RenderRequest) -> dict[str, Any]:
+    """The request as a job carries it on the queue (JSON types)."""
+    return request.model_dump(mode="json", exclude=_unset_later_fields(request))
+
+
 def request_digest(request: RenderRequest) -> str:
     """sha256 of a resolved request: what a job id's files on disk were rendered from."""
     import hashlib
 
-    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+    data = request.model_dump_json(exclude=_unset_later_fields(request))
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
 class ImageFile(BaseModel):

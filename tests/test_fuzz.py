@@ -67,6 +67,8 @@ plausible = {
     "output_format": st.sampled_from(["png", "webp", "jpeg", "gif", ""]),
     "previews": st.sampled_from([False, True, 0, "yes"]),
     "webhook": st.sampled_from([None, "nope", "https://attacker.example/hook", "", "a" * 65]),
+    "rung": st.sampled_from([None, "full", "model_offload", "group_offload", "partial", "", "x"]),
+    "compile": st.sampled_from([None, True, False, "on", 1]),
 }
 
 
@@ -162,6 +164,16 @@ def test_raw_payloads_are_refused_clearly_or_render(
 
 @pytest.fixture(scope="module")
 def renderer_for_fuzz(
+    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, redis_url: str
+) -> Iterator[Renderer]:
+    # A request may pin compile on, which the client lets through: Inductor on this CPU would
+    # take minutes a draw, so the fuzz's worker compiles with a fake that changes nothing.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("worker.compile.compile_denoiser", lambda *_args: "fake compile (fuzz)")
+        yield _fuzz_renderer(tmp_path_factory, tiny_dir, redis_url)
+
+
+def _fuzz_renderer(
     tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, redis_url: str
 ) -> Renderer:
     out = tmp_path_factory.mktemp("fuzz-out")

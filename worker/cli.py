@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from api_client import KilnJob
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="draw TAESD previews while denoising (models whose manifest names taesd)",
     )
+    submit.add_argument(
+        "--rung",
+        help="pin a rung of the memory ladder, e.g. full (never descends; replays pin it)",
+    )
+    submit.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="pin torch.compile of the denoiser on or off (fails naming why if it cannot)",
+    )
     submit.add_argument("--webhook", help="a webhook target named in the workers' KILN_WEBHOOKS")
     submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
     submit.add_argument(
@@ -102,6 +114,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     submit.set_defaults(handler=_submit)
+
+    replay = verbs.add_parser(
+        "replay",
+        help="render an image again from the generation details it carries (through the queue,"
+        " pinned to its rung and compile state)",
+    )
+    replay.add_argument("image", help="a PNG, WebP or JPEG that kiln wrote (a path or file:// uri)")
+    replay.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
+    replay.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
+    )
+    replay.add_argument(
+        "--json", action="store_true", help="print JSON: the new RenderResult with --wait"
+    )
+    replay.set_defaults(handler=_replay)
 
     models = verbs.add_parser("models", help="published models, the workers serving them, and ETAs")
     models.add_argument("--json", action="store_true")
@@ -221,7 +248,7 @@ def _client() -> Any:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from api_client import RenderFailed, RequestRejected
+    from api_client import RequestRejected
     from api_client.schema import RenderRequest
 
     # Every request field has a flag of the same name; unset flags take the manifest's defaults.
@@ -236,10 +263,50 @@ def _submit(args: argparse.Namespace) -> int:
     except RequestRejected as exc:
         print(f"kiln submit: {exc}", file=sys.stderr)
         return 2
-    if not args.wait:
-        print(
-            json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{args.model}"
+    return _follow(job, args.model, args)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from api_client import RequestRejected
+    from worker.details import read_details
+    from worker.errors import CannotReplay
+
+    try:
+        path = _local_image(args.image)
+        request = read_details(path).replay_request(str(path))
+    except CannotReplay as exc:
+        print(f"kiln replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        job = _client().submit(request)
+    except RequestRejected as exc:
+        print(f"kiln replay: {args.image}: {exc}", file=sys.stderr)
+        return 2
+    return _follow(job, request.model, args)
+
+
+def _local_image(argument: str) -> Path:
+    """The image file a replay reads: a path, or a file:// uri as results give them."""
+    from urllib.parse import unquote, urlparse
+
+    from worker.errors import CannotReplay
+
+    if argument.startswith("file://"):
+        return Path(unquote(urlparse(argument).path))
+    if "://" in argument:
+        raise CannotReplay(
+            f"{argument}: kiln replay reads a local file; fetch the image first"
+            " (KilnClient.fetch or job.download)"
         )
+    return Path(argument)
+
+
+def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
+    """After a submit: the job id, or with --wait its progress and result (--json: as JSON)."""
+    from api_client import RenderFailed
+
+    if not args.wait:
+        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{model}")
         return 0
     from worker.display import wait_with_progress
 
@@ -249,7 +316,7 @@ def _submit(args: argparse.Namespace) -> int:
         print(
             json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message})
             if args.json
-            else f"kiln submit: {exc}",
+            else f"kiln {args.verb}: {exc}",
             file=sys.stdout if args.json else sys.stderr,
         )
         return 1

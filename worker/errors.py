@@ -55,6 +55,17 @@ class CompileRequired(RuntimeError):
     """compile: required, the pipeline is fully resident, and torch.compile did not succeed."""
 
 
+class PinRefused(RuntimeError):
+    """The request pins a rung or a compile state (a replay does, so its pixels match) that this
+    worker cannot give it; the message names the pin, the model and why. Never a silent
+    descent or fallback: a replay on other settings would not reproduce its image."""
+
+
+class CannotReplay(Exception):
+    """An image cannot be rendered again: it carries no kiln generation details, or ones that do
+    not parse; the message names the file and what is missing or wrong."""
+
+
 class OutputError(RuntimeError):
     """The output directory cannot take the job's files (missing permission, full disk...)."""
 

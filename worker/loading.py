@@ -58,9 +58,15 @@ def fit_for(manifest: Manifest, info: DeviceInfo, settings: Settings) -> Fit:
 
 
 def load_pipeline(
-    manifest: Manifest, rung: Rung, info: DeviceInfo, settings: Settings, faults: FaultPlan
+    manifest: Manifest,
+    rung: Rung,
+    info: DeviceInfo,
+    settings: Settings,
+    faults: FaultPlan,
+    compile_pin: bool | None = None,
 ) -> LoadedPipeline:
-    """from_pretrained on the host, then quantize, switch, place on the rung, compile at full."""
+    """from_pretrained on the host, then quantize, switch, place on the rung, compile at full
+    (or as compile_pin, a request's, says: switches.compile_plan)."""
     started = time.perf_counter()
     before = dev.allocated_bytes(info)
     # 1. Resolve the weights and precision.
@@ -87,7 +93,14 @@ def load_pipeline(
         kwargs["vae"] = load_vae_override(manifest, settings.models_dir, dtype)
     pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
     pipe.set_progress_bar_config(disable=True)
-    loaded = LoadedPipeline(manifest=manifest, pipe=pipe, rung=rung, dtype=dtype, settings=report)
+    loaded = LoadedPipeline(
+        manifest=manifest,
+        pipe=pipe,
+        rung=rung,
+        dtype=dtype,
+        settings=report,
+        compile_pin=compile_pin,
+    )
     # 3. Scheduler, quantization, switches, placement, compile: each reports what it did.
     _set_scheduler(pipe, manifest)
     apply_switches(loaded, info, settings)

@@ -1,4 +1,5 @@
-"""Images and results on disk: <output_dir>/<job id>/<n>.<ext> and result.json, written once.
+"""Images and results on disk: <output_dir>/<job id>/<n>.<ext> (generation details inside each,
+worker/details.py) and result.json, written once.
 A job that fails leaves none of its files behind (discard), and an OSError that heals (a network
 mount gone away) is told apart from one that needs an operator (a full disk, a permission)."""
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from api_client.schema import ImageFile, OutputFormat, RenderResult
+from worker.details import ImageDetails, save_options
 from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,12 @@ class EncodedImage:
     sha256: str
 
 
-def encode_image(image: Image.Image, fmt: OutputFormat) -> EncodedImage:
+def encode_image(image: Image.Image, fmt: OutputFormat, details: ImageDetails) -> EncodedImage:
+    """The image file's bytes, its generation details inside; sha256 is of exactly these bytes,
+    what the store keeps."""
     buffer = io.BytesIO()
     options = {"png": {"compress_level": 4}, "webp": {"quality": 95}, "jpeg": {"quality": 95}}[fmt]
+    options.update(save_options(details, fmt))
     image.convert("RGB").save(buffer, format=_PIL_FORMAT[fmt], **options)
     data = buffer.getvalue()
     return EncodedImage(data, image.width, image.height, fmt, hashlib.sha256(data).hexdigest())

@@ -1,5 +1,6 @@
 """Run one job from payload to result, in numbered steps: admit, validate, answer from disk,
-choose a rung, load, generate under the ladder's out-of-memory rules, save. Every path out of
+choose a rung (or take the request's pins), load, generate under the ladder's out-of-memory
+rules, save with the generation details inside each image. Every path out of
 render() leaves exactly one timing record, created here and handed to the record listener.
 
 Over 300 lines because the steps' helpers (rung choice, load, reload, one attempt, the result)
@@ -8,7 +9,8 @@ are the callbacks the Ladder runs, and read best beside the steps that hand them
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,8 +24,16 @@ from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
 from worker.context import JobContext
+from worker.details import ImageDetails, kiln_version
 from worker.device import DeviceInfo
-from worker.errors import FatalWorkerError, JobStopped, LeaseLost, device_lost
+from worker.errors import (
+    FatalWorkerError,
+    JobStopped,
+    LeaseLost,
+    OutOfMemory,
+    PinRefused,
+    device_lost,
+)
 from worker.families import cfg_active
 from worker.faults import FaultPlan
 from worker.generate import generate
@@ -42,7 +52,7 @@ from worker.loading import fit_for, load_pipeline
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
-from worker.switches import compile_fell_back
+from worker.switches import compile_fell_back, compile_plan
 from worker.timings import Stopwatch, TimingRecord, emit
 from worker.webhooks import check_target
 
@@ -104,23 +114,25 @@ class Renderer:
                 record = TimingRecord.from_result(done, answered_by=self.worker_name)
                 record.status = "done"
                 return done
-            # 3. Choose a rung and have the pipeline resident there. A cancel or a lost lease is
+            # 3. Choose a rung and have the pipeline resident there; a rung the request pins (a
+            #    replay's) is a pinned ladder, which never descends. A cancel or a lost lease is
             #    taken at every phase boundary as well as at every denoising step.
             _checkpoint(ctx, "before loading")
-            manifest = self.manifests[request.model]
-            ladder = Ladder(manifest.id, self.settings.memory_mode, record.attempts)
+            manifest, pin = self.manifests[request.model], request.compile
+            ladder = Ladder(manifest.id, request.rung or self.settings.memory_mode, record.attempts)
             choice = self._choose_rung(manifest, request)
             record.rung_reason = choice.reason
-            loaded = self._ensure_loaded(manifest, choice.rung, ladder, watch, record)
-            _checkpoint(ctx, "after loading")
-            # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
-            images, loaded = ladder.generate(
-                loaded,
-                run=lambda on: self._attempt(on, request, ctx, watch, record),
-                reclaim=lambda: self._reclaim(watch, keep=manifest.id),
-                reload=lambda rung: self._reload(manifest, rung, ladder, watch, record),
-                phase=lambda: watch.current,
-            )
+            with _named_pin(request, manifest.id, record.attempts):
+                loaded = self._ensure_loaded(manifest, choice.rung, pin, ladder, watch, record)
+                _checkpoint(ctx, "after loading")
+                # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
+                images, loaded = ladder.generate(
+                    loaded,
+                    run=lambda on: self._attempt(on, request, ctx, watch, record),
+                    reclaim=lambda: self._reclaim(watch, keep=manifest.id),
+                    reload=lambda rung: self._reload(manifest, rung, pin, ladder, watch, record),
+                    phase=lambda: watch.current,
+                )
             # A rung an OOM pushed this size down to is a ceiling for the next jobs at it.
             pushed_down = any(a.outcome == "oom" and a.rung != loaded.rung for a in record.attempts)
             size = (request.width or 0, request.height or 0)
@@ -132,10 +144,15 @@ class Renderer:
                 usable_gb=choice.usable_gb or 0.0,
             )
             _checkpoint(ctx, "after decode")
-            # 5. Encode and save; result.json last, as the mark of a complete job. Nothing is
-            #    written unless this run still holds the job (a stalled worker's may have lapsed).
+            # 5. Encode, with the generation details inside each file, and save; result.json
+            #    last, as the mark of a complete job. Nothing is written unless this run still
+            #    holds the job (a stalled worker's may have lapsed).
             with watch.phase("image_encode"):
-                encoded = [output.encode_image(image, request.output_format) for image in images]
+                details = [self._details(request, loaded, i) for i in range(len(images))]
+                encoded = [
+                    output.encode_image(image, request.output_format, about)
+                    for image, about in zip(images, details, strict=True)
+                ]
             ctx.confirm()
             with watch.phase("save"):
                 files = self.store.save_images(ctx.job_id, encoded)
@@ -192,6 +209,23 @@ class Renderer:
     # -- steps 3 and 4 ------------------------------------------------------------------------
 
     def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
+        """The request's pinned rung, else the worker's choice; a compile pin that rung cannot
+        honour fails here, before anything is loaded or evicted."""
+        choice = self._pinned_rung(manifest, request.rung) if request.rung else None
+        choice = choice or self._worker_rung(manifest, request)
+        compile_plan(manifest, choice.rung, self.info, self.settings, request.compile)
+        return choice
+
+    def _pinned_rung(self, manifest: Manifest, rung: Rung) -> RungChoice:
+        mode = self.settings.memory_mode
+        if mode not in ("auto", rung):
+            raise PinRefused(
+                f"model {manifest.id}: the request pins rung {rung}, but this worker is pinned"
+                f" to {mode} (KILN_MEMORY_MODE={mode})"
+            )
+        return RungChoice(rung, f"pinned by the request (rung={rung})")
+
+    def _worker_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
         fit = fit_for(manifest, self.info, self.settings)
         if self.settings.memory_mode != "auto":
             return pick_rung(
@@ -207,17 +241,24 @@ class Renderer:
         return choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
 
     def _ensure_loaded(
-        self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
+        self,
+        manifest: Manifest,
+        rung: Rung,
+        pin: bool | None,
+        ladder: Ladder,
+        watch: Stopwatch,
+        record: TimingRecord,
     ) -> LoadedPipeline:
-        """The resident pipeline at this rung, else a load under the ladder's loading rules."""
+        """The resident pipeline at this rung and compile state (the request's pin, else this
+        worker's), else a load under the ladder's loading rules."""
         resident = self.cache.get(manifest.id)
-        if resident is not None and resident.rung == rung:
+        if resident is not None and self._serves(resident, rung, pin):
             return resident
         record.cold = True
 
         def load(at: Rung) -> LoadedPipeline:
             self._make_room(manifest, at)
-            return load_pipeline(manifest, at, self.info, self.settings, self.faults)
+            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin)
 
         with watch.phase("load"):
             if resident is not None:
@@ -226,13 +267,33 @@ class Renderer:
         self.cache.put(loaded)
         return loaded
 
+    def _serves(self, resident: LoadedPipeline, rung: Rung, pin: bool | None) -> bool:
+        """Whether the resident pipeline renders this job as asked. Compile state is part of it,
+        since it changes pixels: a pinned job takes a pipeline in its pinned state, and a job
+        without a pin one in the state this worker's policy loads, so a pipeline a replay
+        loaded eager does not stay eager for the jobs after it. Otherwise: reload."""
+        if resident.rung != rung:
+            return False
+        if pin is not None:
+            return resident.compiled == pin
+        if resident.compile_pin is None:
+            return True
+        policy = compile_plan(resident.manifest, rung, self.info, self.settings)
+        return resident.compiled == policy.compile
+
     def _reload(
-        self, manifest: Manifest, rung: Rung, ladder: Ladder, watch: Stopwatch, record: TimingRecord
+        self,
+        manifest: Manifest,
+        rung: Rung,
+        pin: bool | None,
+        ladder: Ladder,
+        watch: Stopwatch,
+        record: TimingRecord,
     ) -> LoadedPipeline:
         """After a second OOM while generating: the model again, one rung lower."""
         with watch.phase("load"):
             self.cache.evict(manifest.id)
-        return self._ensure_loaded(manifest, rung, ladder, watch, record)
+        return self._ensure_loaded(manifest, rung, pin, ladder, watch, record)
 
     def _attempt(
         self,
@@ -296,6 +357,33 @@ class Renderer:
         with watch.phase("load"):
             self._free(keep=keep)
 
+    def _details(self, request: RenderRequest, loaded: LoadedPipeline, index: int) -> ImageDetails:
+        """What image `index` of this job carries inside its file: enough to render it again."""
+        return ImageDetails(
+            kiln=kiln_version(),
+            model=request.model,
+            revision=loaded.manifest.revision,
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            seed=int(request.seed or 0),
+            steps=int(request.steps or 0),
+            guidance=float(request.guidance or 0.0),
+            true_cfg=request.true_cfg,
+            scheduler=type(loaded.pipe.scheduler).__name__,
+            width=int(request.width or 0),
+            height=int(request.height or 0),
+            num_images=request.num_images,
+            index=index,
+            format=request.output_format,
+            rung=loaded.rung,
+            dtype=loaded.dtype_name,
+            compiled=loaded.compiled,
+            device=self.info.torch_device,
+            quantized=dict(loaded.quantized),
+            loras=[],  # kiln takes no LoRAs yet (#17 item 3)
+            inputs=[],  # nor input images (#17 item 2)
+        )
+
     def _result(
         self,
         request: RenderRequest,
@@ -336,6 +424,23 @@ class Renderer:
 def _checkpoint(ctx: JobContext, where: str) -> None:
     if ctx.stop_requested():
         raise JobStopped(f"job {ctx.job_id} stopped on request {where}")
+
+
+@contextmanager
+def _named_pin(request: RenderRequest, model_id: str, attempts: list[Attempt]) -> Iterator[None]:
+    """Out of memory on a rung the request pins fails as a KILN_MEMORY_MODE pin does, but says
+    the request pinned it (the ladder's words name the setting, which is not what to change)."""
+    try:
+        yield
+    except OutOfMemory as exc:
+        if request.rung is None:
+            raise
+        tried = ", ".join(f"{a.rung}:{a.outcome}@{a.phase or '-'}" for a in attempts)
+        raise OutOfMemory(
+            f"model {model_id} ran out of memory at rung {request.rung}, which the request pins"
+            f" (rung={request.rung}, as a replay does; a pinned rung never descends);"
+            f" attempts: {tried}"
+        ) from exc
 
 
 def _describe(record: TimingRecord, request: RenderRequest) -> None:

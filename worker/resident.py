@@ -34,6 +34,8 @@ class LoadedPipeline:
     dtype: torch.dtype
     settings: SettingsReport
     compiled: bool = False
+    # The request's compile pin this load honoured (a replay's); None: the worker's own policy.
+    compile_pin: bool | None = None
     quantized: dict[str, str] = field(default_factory=dict)
     load_s: float = 0.0
     device_bytes: int = 0  # device memory this pipeline took at load (allocated after - before)

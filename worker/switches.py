@@ -6,12 +6,14 @@ its reason into the pipeline's SettingsReport."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from api_client.manifest import Manifest, Switch, SwitchName
+from api_client.schema import Rung
 from worker.device import DeviceInfo
-from worker.errors import CompileRequired
+from worker.errors import CompileRequired, PinRefused
 from worker.families import spec_of
 from worker.manifest import weights_source
 from worker.resident import LoadedPipeline
@@ -150,40 +152,76 @@ def preview_steps(steps: int) -> set[int]:
     return {step for step in range(every, steps, every)}
 
 
-def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
-    """torch.compile only at full: accelerate's offload hooks and Inductor fight each other."""
-    manifest, report = loaded.manifest, loaded.settings
+@dataclass(frozen=True)
+class CompilePlan:
+    """Whether a load compiles its denoiser; why not (a skipped note) when it does not; and
+    whether a failed compile fails the load (compile: required, or pinned by the request)."""
+
+    compile: bool
+    reason: str = ""
+    must: bool = False
+
+
+def compile_plan(
+    manifest: Manifest, rung: Rung, info: DeviceInfo, settings: Settings, pin: bool | None = None
+) -> CompilePlan:
+    """The compile decision for a load at this rung, without loading anything: the request's pin
+    (a replay's) when it has one, else the manifest's policy over the compile switch. A pin
+    this worker cannot honour raises PinRefused naming why."""
+    if pin is not None:
+        return _pinned_plan(manifest, rung, settings, pin)
     policy, value = manifest.compile, switch(manifest, settings, "compile")
-    required = policy == "required" and loaded.rung == "full"
+    required = policy == "required" and rung == "full"
     if policy == "off":
-        report.add("skipped", "compile", "switched off by the manifest (compile: off)")
-        return
-    if loaded.rung != "full":
+        return CompilePlan(False, "switched off by the manifest (compile: off)")
+    if rung != "full":
         why = "required, but" if policy == "required" else "skipped:"
-        report.add(
-            "skipped", "compile", f"{why} offload hooks and Inductor conflict at rung {loaded.rung}"
-        )
-        return
+        return CompilePlan(False, f"{why} offload hooks and Inductor conflict at rung {rung}")
     if value == "off" and required:
         raise CompileRequired(
             f"model {manifest.id}: compile is required when fully resident,"
             " but the compile switch is off"
         )
     if value == "off":
-        report.add("skipped", "compile", "switched off")
-        return
+        return CompilePlan(False, "switched off")
     if value == "auto" and not required and not info.compile_default:
-        report.add(
-            "skipped", "compile", "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)"
-        )
-        return
+        return CompilePlan(False, "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
     if value == "auto" and not required and info.simulated and info.torch_device == "cpu":
-        report.add(
-            "skipped",
-            "compile",
+        return CompilePlan(
+            False,
             f"auto: {info.simulated} would compile at full; not run on the real device (cpu),"
             " where the tiny UNet takes 76 s to compile",
         )
+    return CompilePlan(True, must=required)
+
+
+def _pinned_plan(manifest: Manifest, rung: Rung, settings: Settings, pin: bool) -> CompilePlan:
+    """A pin overrides auto (compile on a CPU too, when asked) but never the manifest's off or
+    required, the off switch an operator set, or the rule that only full compiles."""
+    if not pin:
+        if manifest.compile == "required" and rung == "full":
+            raise PinRefused(
+                f"model {manifest.id}: the request pins compile off, but its manifest requires"
+                " compile at rung full (compile: required)"
+            )
+        return CompilePlan(False, "pinned off by the request (compile=false)")
+    if manifest.compile == "off":
+        why = "its manifest switches compile off (compile: off)"
+    elif rung != "full":
+        why = f"it runs at rung {rung} here, and compile runs only at full"
+    elif switch(manifest, settings, "compile") == "off":
+        why = "this worker's compile switch is off (KILN_COMPILE=off or the manifest)"
+    else:
+        return CompilePlan(True, must=True)
+    raise PinRefused(f"model {manifest.id}: the request pins compile on, but {why}")
+
+
+def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """torch.compile only at full: accelerate's offload hooks and Inductor fight each other."""
+    manifest, report = loaded.manifest, loaded.settings
+    plan = compile_plan(manifest, loaded.rung, info, settings, loaded.compile_pin)
+    if not plan.compile:
+        report.add("skipped", "compile", plan.reason)
         return
     from worker.compile import compile_available, compile_denoiser
 
@@ -193,10 +231,8 @@ def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) 
             raise RuntimeError(unavailable)
         how = compile_denoiser(loaded.denoiser, settings, manifest.compile_method)
     except Exception as exc:
-        if required:
-            raise CompileRequired(
-                f"model {manifest.id}: compile is required and failed: {exc}"
-            ) from exc
+        if plan.must:
+            raise _compile_failed(loaded, f"failed: {exc}") from exc
         report.add(
             "fell_back", "compile", f"eager: torch.compile failed: {type(exc).__name__}: {exc}"
         )
@@ -205,17 +241,21 @@ def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) 
     report.add("applied", "compile", how)
 
 
+def _compile_failed(loaded: LoadedPipeline, what: str) -> RuntimeError:
+    """The error for a compile that had to succeed: the request's pin, else the manifest's rule."""
+    if loaded.compile_pin:
+        return PinRefused(f"model {loaded.manifest.id}: the request pins compile on, and it {what}")
+    return CompileRequired(f"model {loaded.manifest.id}: compile is required and {what}")
+
+
 def compile_fell_back(loaded: LoadedPipeline, exc: BaseException) -> bool:
     """Graphs are built lazily at the first forward; when that fails, go eager if policy allows."""
     from worker.compile import is_compile_failure, uncompile_denoiser
 
     if not loaded.compiled or not is_compile_failure(exc):
         return False
-    if loaded.manifest.compile == "required":
-        raise CompileRequired(
-            f"model {loaded.manifest.id}: compile is required"
-            f" and failed at the first forward: {exc}"
-        ) from exc
+    if loaded.manifest.compile == "required" or loaded.compile_pin:
+        raise _compile_failed(loaded, f"failed at the first forward: {exc}") from exc
     uncompile_denoiser(loaded.denoiser)
     loaded.compiled = False
     loaded.settings.applied = [n for n in loaded.settings.applied if n.name != "compile"]

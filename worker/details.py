@@ -1,0 +1,223 @@
+"""Generation details inside every image kiln writes, so the file alone says how to render it
+again: one JSON document (ImageDetails) under one key per format, written at encode and read
+back by `kiln replay`. No torch here: reading an image's details loads no model.
+
+- PNG: an iTXt chunk "kiln" holding the JSON, beside a "parameters" text chunk in
+  AUTOMATIC1111's layout (what A1111's PNG Info, Forge, ComfyUI loaders and Civitai read) and
+  "Software".
+- WebP and JPEG: the JSON in EXIF UserComment (Exif IFD tag 0x9286, character code UNICODE:
+  UTF-16 in the EXIF block's byte order), beside EXIF Software. UTF-16 keeps the worst case,
+  two 4000-character prompts of emoji, near 33 kB, inside the 64 kB of a JPEG's EXIF segment;
+  the same JSON escaped to ASCII (ImageDescription's type) would need 96 kB.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from PIL import ExifTags, Image
+from PIL.PngImagePlugin import PngInfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api_client.errors import short
+from api_client.schema import OutputFormat, RenderRequest, Rung
+from worker.errors import CannotReplay
+
+DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
+DETAILS_VERSION: Literal[1] = 1
+_UNICODE = b"UNICODE\x00"  # EXIF UserComment's 8-byte character code
+
+
+class LoraWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    weight: float
+
+
+class InputDigest(BaseModel):
+    """An input image of the job (img2img, inpaint, edit), by the request field that carried it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    field: Literal["image", "mask"]
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ImageDetails(BaseModel):
+    """What rendered one image: the resolved request, and the pipeline state that changes pixels
+    (rung, dtype, compiled, quantization, device). Nothing that differs between two jobs of the
+    same request (no job id, no clock), so the same request still gives the same bytes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    details_version: Literal[1] = DETAILS_VERSION
+    kiln: str  # the kiln version that rendered it
+    model: str
+    revision: str | None  # the manifest's hub revision; None: whatever it resolved to then
+    prompt: str
+    negative_prompt: str
+    seed: int  # the request's; image i of a batch was drawn from seed + i
+    steps: int
+    guidance: float
+    true_cfg: float | None
+    scheduler: str  # the scheduler class the pipeline ran
+    width: int
+    height: int
+    num_images: int
+    index: int = Field(ge=0)  # this image's place in the job's batch
+    format: OutputFormat
+    rung: Rung
+    dtype: str
+    compiled: bool
+    device: str
+    quantized: dict[str, str]
+    loras: list[LoraWeight]
+    inputs: list[InputDigest]
+
+    def replay_request(self, where: str) -> RenderRequest:
+        """The request that renders this image again: the same batch (image `index` of it),
+        pinned to the rung and compile state that made it. CannotReplay, naming where the
+        details came from, for what a request cannot carry yet."""
+        if self.loras or self.inputs:
+            carried = ", ".join(
+                [*(lora.name for lora in self.loras), *(i.field for i in self.inputs)]
+            )
+            raise CannotReplay(
+                f"{where}: rendered with {carried}; requests take no LoRAs or input images yet,"
+                " so a replay would not match (loras, inputs)"
+            )
+        return RenderRequest(
+            model=self.model,
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            steps=self.steps,
+            guidance=self.guidance,
+            true_cfg=self.true_cfg,
+            width=self.width,
+            height=self.height,
+            seed=self.seed,
+            num_images=self.num_images,
+            output_format=self.format,
+            rung=self.rung,
+            compile=self.compiled,
+        )
+
+
+@functools.cache
+def kiln_version() -> str:
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def save_options(details: ImageDetails, fmt: OutputFormat) -> dict[str, Any]:
+    """Pillow save() arguments that write details into an image of this format."""
+    document = details.model_dump_json()
+    software = f"kiln {details.kiln}"
+    if fmt == "png":
+        info = PngInfo()
+        info.add_itxt(DETAILS_KEY, document)
+        info.add_text("parameters", parameters_text(details))
+        info.add_text("Software", software)
+        return {"pnginfo": info}
+    exif = Image.Exif()
+    exif[ExifTags.Base.Software] = software
+    codec = "utf-16-le" if exif.endian == "<" else "utf-16-be"  # as Exif.tobytes() writes
+    comment = _UNICODE + document.encode(codec)
+    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = comment
+    return {"exif": exif.tobytes()}
+
+
+def parameters_text(details: ImageDetails) -> str:
+    """A1111's "parameters" layout: prompt, negative prompt, then one line of `Key: value`."""
+    fields: list[tuple[str, object]] = [
+        ("Steps", details.steps),
+        ("Sampler", details.scheduler),
+        ("CFG scale", details.guidance),
+        # A1111's seed is the image's own; kiln draws image i of a batch from seed + i.
+        ("Seed", details.seed + details.index),
+        ("Size", f"{details.width}x{details.height}"),
+        ("Model", details.model),
+    ]
+    if details.true_cfg is not None:
+        fields.append(("True CFG scale", details.true_cfg))
+    fields.append(("Version", f"kiln {details.kiln}"))
+    lines = [details.prompt]
+    if details.negative_prompt:
+        lines.append(f"Negative prompt: {details.negative_prompt}")
+    lines.append(", ".join(f"{key}: {value}" for key, value in fields))
+    return "\n".join(lines)
+
+
+def read_details(path: Path) -> ImageDetails:
+    """The details kiln wrote into this image file; CannotReplay naming the file and what is
+    missing or wrong (never a traceback for a file that is not what it should be)."""
+    # Pillow's words for a file that is missing, not an image, truncated, or of absurd size.
+    broken = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+    try:
+        with Image.open(path) as image:
+            document = _document(image, path)
+    except broken as exc:
+        raise CannotReplay(f"{path}: not an image kiln can read: {exc}") from None
+    return parse_details(document, str(path))
+
+
+def parse_details(document: str, where: str) -> ImageDetails:
+    """An ImageDetails from its JSON; CannotReplay naming each field that is wrong."""
+    try:
+        data = json.loads(document)
+    except json.JSONDecodeError as exc:
+        raise CannotReplay(f"{where}: its kiln details are not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CannotReplay(f"{where}: its kiln details are not a JSON object")
+    version = data.get("details_version")
+    if version != DETAILS_VERSION:
+        raise CannotReplay(
+            f"{where}: its kiln details are version {short(version)!r}; this kiln reads"
+            f" version {DETAILS_VERSION} (details_version)"
+        )
+    try:
+        return ImageDetails.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(_problem(err) for err in exc.errors())
+        raise CannotReplay(f"{where}: its kiln details are invalid: {problems}") from None
+
+
+def _problem(error: Any) -> str:
+    field = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "missing":
+        return f"{field}: missing"
+    return f"{field}={short(error.get('input'))!r}: {error['msg']}"
+
+
+def _document(image: Image.Image, path: Path) -> str:
+    """The JSON text under kiln's key in this image, or CannotReplay saying where kiln looked."""
+    if image.format == "PNG":
+        text = getattr(image, "text", {})
+        if DETAILS_KEY not in text:
+            raise CannotReplay(f"{path}: carries no kiln details (no {DETAILS_KEY!r} PNG chunk)")
+        return str(text[DETAILS_KEY])
+    if image.format not in ("WEBP", "JPEG"):
+        raise CannotReplay(
+            f"{path}: a {image.format} image carries no kiln details; kiln writes them into"
+            " PNG, WebP and JPEG"
+        )
+    comment = image.getexif().get_ifd(ExifTags.IFD.Exif).get(ExifTags.Base.UserComment)
+    if not isinstance(comment, bytes) or not comment.startswith(_UNICODE):
+        raise CannotReplay(
+            f"{path}: carries no kiln details (no UNICODE EXIF UserComment in this"
+            f" {image.format} file)"
+        )
+    body = comment[len(_UNICODE) :]
+    # The JSON opens with "{": its zero byte says the byte order, whatever the EXIF header says.
+    codec = "utf-16-be" if body[:1] == b"\x00" else "utf-16-le"
+    try:
+        return body.decode(codec)
+    except UnicodeDecodeError as exc:
+        raise CannotReplay(f"{path}: its EXIF UserComment is not UTF-16 text: {exc}") from None
