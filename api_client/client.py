@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api_client import events, keys
+from api_client import events, inputs, keys
 from api_client.connection import connect
 from api_client.enqueue import ENQUEUE, QUEUED_TTL_S, RESULT_TTL_S, enqueue_new
 from api_client.errors import Problem, RequestRejected
@@ -69,14 +69,19 @@ class KilnClient:
         connection: Redis | None = None,
         manifests_dir: str | Path | None = None,
         events_retention_s: float = events.EVENTS_RETENTION_S,
+        input_max_mb: float = inputs.DEFAULT_MAX_MB,
+        input_ttl_s: int = inputs.DEFAULT_TTL_S,
     ) -> None:
         """events_retention_s: how long the model queues' event streams keep an event (the
-        workers' KILN_EVENTS_RETENTION_S; each writer trims them to its own), at least a minute."""
+        workers' KILN_EVENTS_RETENTION_S; each writer trims them to its own), at least a minute.
+        input_max_mb and input_ttl_s: upload()'s cap and lifetime (the workers'
+        KILN_INPUT_MAX_MB and KILN_INPUT_TTL_S)."""
         if not events_retention_s >= 60:
             raise ValueError(f"events_retention_s must be at least 60 s, got {events_retention_s}")
         self.connection = connection if connection is not None else connect(url)
         self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
         self.events_retention_s = events_retention_s
+        self.input_max_mb, self.input_ttl_s = input_max_mb, input_ttl_s
         self._published: tuple[float, dict[str, Manifest]] | None = None
         self._enqueue = self.connection.register_script(ENQUEUE)
 
@@ -116,12 +121,68 @@ class KilnClient:
         """The request with defaults filled in, or RequestRejected naming every broken rule."""
         parsed = RenderRequest.parse(request)
         manifest = check_servable(parsed, self.manifests())
-        resolved = resolve_request(parsed, manifest)
+        resolved = resolve_request(self._sized_by_image(parsed), manifest)
+        problems = self._input_problems(resolved)
+        if problems:
+            raise RequestRejected(problems, model=resolved.model)
         if resolved.webhook is not None and resolved.webhook not in self.webhook_targets():
             known = ", ".join(sorted(self.webhook_targets())) or "none published"
             rule = f"unknown webhook target; workers are configured with: {known}"
             raise RequestRejected([Problem("webhook", resolved.webhook, rule)], model=parsed.model)
         return resolved
+
+    def upload(self, data: bytes | str | Path) -> str:
+        """Keep an input image (bytes or a local file) in Redis under its sha256, for
+        KILN_INPUT_TTL_S; its `kiln-input:<sha256>` uri goes in a request's image or mask."""
+        return inputs.upload(
+            self.connection, data, max_mb=self.input_max_mb, ttl_s=self.input_ttl_s
+        )
+
+    def _sized_by_image(self, request: RenderRequest) -> RenderRequest:
+        """A request with an input image and no size renders at the image's size."""
+        if request.image is None or request.width is not None or request.height is not None:
+            return request
+        try:
+            data = inputs.input_bytes(self.connection, request.image)
+            found = inputs.inspect_image(data, max_bytes=self._max_bytes) if data else None
+        except inputs.InputRefused:
+            return request  # named by _input_problems, with the rest
+        if found is None:
+            return request
+        return request.model_copy(update={"width": found.width, "height": found.height})
+
+    def _input_problems(self, request: RenderRequest) -> list[Problem]:
+        """The image and mask read where the client can (uploads, data: URLs): an image, not too
+        big, the job's size (kiln never resizes an input), the mask the image's size."""
+        problems: list[Problem] = []
+        sizes: dict[str, inputs.InputImage] = {}
+        for name in ("image", "mask"):
+            value = getattr(request, name)
+            if value is None:
+                continue
+            problem = inputs.check_image(
+                value, name, conn=self.connection, max_mb=self.input_max_mb
+            )
+            if problem is not None:
+                problems.append(problem)
+                continue
+            data = inputs.input_bytes(self.connection, value, name)
+            if data is not None:
+                sizes[name] = inputs.inspect_image(data, name, max_bytes=self._max_bytes)
+        image = sizes.get("image")
+        if image is not None and (image.width, image.height) != (request.width, request.height):
+            size = f"{request.width}x{request.height}"
+            rule = f"must be the job's size, {size} (kiln never resizes an input)"
+            problems.append(Problem("image", f"{image.width}x{image.height}", rule))
+        if image is not None and "mask" in sizes:
+            mismatch = inputs.check_mask(image, sizes["mask"])
+            if mismatch is not None:
+                problems.append(mismatch)
+        return problems
+
+    @property
+    def _max_bytes(self) -> int:
+        return int(self.input_max_mb * inputs.MB)
 
     def webhook_targets(self) -> set[str]:
         """Names of the webhook targets workers published (their URLs and secrets stay there)."""

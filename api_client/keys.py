@@ -15,6 +15,7 @@ QUEUE_EVENTS_KEY_PREFIX = "kiln:queue-events:"  # stream, trimmed by age: one mo
 WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: target names in workers' KILN_WEBHOOKS
 QUARANTINE_KEY = "kiln:quarantine"  # hash: job id -> JSON {reason, at, queue, fields}, bounded
 QUARANTINE_ORDER_KEY = "kiln:quarantine:order"  # sorted set: job id -> unix time quarantined
+INPUT_KEY_PREFIX = "kiln:input:"  # string with TTL: an uploaded input image's bytes, by sha256
 
 RQ_JOB_PREFIX = "rq:job:"  # hash: one job's record (Job.key)
 RQ_QUEUE_PREFIX = "rq:queue:"  # list: queued job ids, taken from the left (Queue.key)
@@ -46,6 +47,11 @@ def events_key(job_id: str) -> str:
 
 def queue_events_key(model_id: str) -> str:
     return f"{QUEUE_EVENTS_KEY_PREFIX}{model_id}"
+
+
+def input_key(sha256: str) -> str:
+    """Where client.upload() keeps an input image: the key of `kiln-input:<sha256>`."""
+    return f"{INPUT_KEY_PREFIX}{sha256}"
 
 
 def rq_job_key(job_id: str) -> str:

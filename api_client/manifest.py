@@ -17,8 +17,15 @@ from pydantic import (
     model_validator,
 )
 
-from api_client.errors import Problem, RequestRejected
-from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest, Rung
+from api_client.errors import Problem, RequestRejected, short
+from api_client.schema import (
+    MAX_IMAGES,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    Mode,
+    RenderRequest,
+    Rung,
+)
 
 Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
 Scheduler = Literal[
@@ -55,6 +62,19 @@ GRID: dict[str, int] = {
     "qwenimage": 16,
     "zimage": 16,
 }
+
+
+# The modes each family's pipelines serve here (from_pipe of the resident one: worker.families).
+# edit needs an edit model's pipeline (FLUX.1 Kontext, Qwen-Image-Edit), not served yet.
+FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
+    **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "flux")},
+    **{f: ("txt2img", "img2img", "inpaint") for f in ("qwenimage", "zimage")},
+    "flux2": ("txt2img",),
+}
+TXT2IMG_ONLY: tuple[Mode, ...] = ("txt2img",)
+# How much of an input image img2img and inpaint re-noise unless the request says (A1111's
+# default denoising strength).
+DEFAULT_STRENGTH = 0.75
 
 
 @dataclass(frozen=True)
@@ -138,6 +158,8 @@ class Manifest(_Strict):
     # regional: compile_repeated_blocks; whole: the denoiser at once; auto: regional where the
     # denoiser declares repeated blocks.
     compile_method: Literal["auto", "regional", "whole"] = "auto"
+    # What requests may ask for; an input image's modes only where the manifest lists them.
+    modes: list[Mode] = Field(default_factory=lambda: list(TXT2IMG_ONLY), min_length=1)
     benchmark_only: bool = False
     optimizations: dict[SwitchName, Switch] = Field(default_factory=dict)
     # An AutoencoderTiny (TAESD) for cheap previews while denoising: hub id or local directory.
@@ -216,6 +238,23 @@ class Manifest(_Strict):
             )
         return wanted
 
+    @field_validator("modes")
+    @classmethod
+    def _modes_served(cls, modes: list[str], info: ValidationInfo) -> list[str]:
+        family = info.data.get("family")
+        served = FAMILY_MODES.get(family or "", ())
+        for mode in modes:
+            if mode not in served:
+                raise ValueError(
+                    f"{mode}: family {family} serves {', '.join(served)} here"
+                    + (
+                        "; edit needs an edit model's pipeline, not served yet"
+                        if mode == "edit"
+                        else ""
+                    )
+                )
+        return modes
+
     @field_validator("rung_vram_gb")
     @classmethod
     def _rung_needs_non_negative(cls, needs: dict[str, float]) -> dict[str, float]:
@@ -273,6 +312,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         )
     true_cfg = _true_cfg(request, manifest, problems)
     problems += _negative_prompt_problems(request, manifest, guidance, true_cfg)
+    mode, strength = _mode(request, manifest, steps, problems)
     if (width, height) not in {tuple(size) for size in manifest.resolutions}:
         allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
         problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
@@ -290,11 +330,55 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             "steps": steps,
             "guidance": float(guidance),
             "true_cfg": true_cfg,
+            # txt2img stays unset, so a prompt-only request reads as it did before modes.
+            "mode": None if mode == "txt2img" else mode,
+            "strength": strength,
             "width": width,
             "height": height,
             "seed": seed,
         }
     )
+
+
+def _mode(
+    request: RenderRequest, manifest: Manifest, steps: int, problems: list[Problem]
+) -> tuple[str, float | None]:
+    """The request's mode (by default from its image and mask), what it needs given, and its
+    strength; problems name each break. The references' own form is checked here too, without
+    reading them (api_client.inputs.parse_ref): that needs Redis or the store."""
+    from api_client.inputs import InputRefused, parse_ref
+
+    image, mask = request.image, request.mask
+    mode = request.mode or ("inpaint" if mask else "img2img" if image else "txt2img")
+    if mode not in manifest.modes:
+        rule = f"must be one of {', '.join(manifest.modes)} (manifest {manifest.id}'s modes)"
+        problems.append(Problem("mode", mode, rule))
+    needs = {"txt2img": (), "img2img": ("image",), "inpaint": ("image", "mask")}.get(mode, ())
+    for field, value in (("image", image), ("mask", mask)):
+        if value is None and field in needs:
+            problems.append(
+                Problem(
+                    field, None, f"mode {mode} needs {'an' if field == 'image' else 'a'} {field}"
+                )
+            )
+        elif value is not None and field not in needs:
+            problems.append(Problem(field, short(value, 60), f"mode {mode} takes no {field}"))
+        elif value is not None:
+            try:
+                parse_ref(value, field)
+            except InputRefused as exc:
+                problems.append(exc.problem)
+    if mode == "txt2img":
+        if request.strength is not None:
+            problems.append(Problem("strength", request.strength, "mode txt2img takes none"))
+        return mode, None
+    strength = DEFAULT_STRENGTH if request.strength is None else request.strength
+    if not math.isfinite(strength) or not 0 < strength <= 1:
+        problems.append(Problem("strength", strength, "must be above 0 and at most 1"))
+    elif int(steps * strength) < 1:
+        rule = f"with {steps} steps re-noises {steps * strength:g} of them; needs at least 1"
+        problems.append(Problem("strength", strength, rule))
+    return mode, float(strength)
 
 
 def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:

@@ -23,6 +23,10 @@ PHASES: tuple[str, ...] = (
     "save",
     "total",
 )
+# What a request asks of its model: from a prompt alone, from an input image, into a mask's
+# white area of one, or an instruction edit (FLUX.1 Kontext, Qwen-Image-Edit; not served yet).
+Mode = Literal["txt2img", "img2img", "inpaint", "edit"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 # The memory ladder's rungs, best first: declared here once, for the worker and the client.
 Rung = Literal["full", "model_offload", "group_offload"]
 RUNGS: tuple[Rung, ...] = get_args(Rung)
@@ -51,6 +55,14 @@ class RenderRequest(BaseModel):
     # True CFG with a negative prompt (flux, qwenimage), where the manifest's true_cfg allows it;
     # guidance is then FLUX.1's embedded guidance, not CFG.
     true_cfg: float | None = None
+    # The mode (default: inpaint with a mask, img2img with an image, else txt2img), the input
+    # image and mask (a kiln-input: uri from client.upload, a uri inside the worker's store, or
+    # a small data: URL; never a worker path or an arbitrary URL) and how much of the image is
+    # re-noised (0-1, default 0.75).
+    mode: Mode | None = None
+    image: str | None = None
+    mask: str | None = None
+    strength: float | None = None
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
@@ -110,7 +122,7 @@ class RenderRequest(BaseModel):
 # Request fields added after requests were first stored; unset, they are left out of the wire form
 # and the digest, so a request that does not use them reads exactly as it did before they existed
 # (to workers not yet upgraded, and to result.json files written before).
-LATER_FIELDS = ("true_cfg", "rung", "compile")
+LATER_FIELDS = ("true_cfg", "rung", "compile", "mode", "image", "mask", "strength")
 
 
 def _unset_later_fields(request: RenderRequest) -> set[str]:

@@ -60,6 +60,13 @@ plausible = {
     "steps": st.integers(min_value=-5, max_value=60),
     "guidance": st.floats(min_value=-2, max_value=20),
     "true_cfg": st.one_of(st.none(), st.floats(min_value=-1, max_value=12)),
+    "mode": st.sampled_from([None, "txt2img", "img2img", "inpaint", "edit", "outpaint"]),
+    "image": st.sampled_from(
+        [None, "kiln-input:" + "0" * 64, "kiln-input:xyz", "https://attacker.example/a.png",
+         "/etc/passwd", "file:///etc/passwd", "data:image/png;base64,AAAA", "data:text/html,hi"]
+    ),  # fmt: skip
+    "mask": st.sampled_from([None, "kiln-input:" + "1" * 64, "s3://other/bucket/m.png", ""]),
+    "strength": st.one_of(st.none(), st.floats(min_value=-1, max_value=2)),
     "width": st.sampled_from([0, -128, 128, 192, 4096, 10**12]),
     "height": st.sampled_from([0, -128, 128, 192, 4096]),
     "seed": st.integers(min_value=-10, max_value=2**33),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="true CFG against the negative prompt (FLUX.1, Qwen-Image; where the manifest allows)",
     )
+    submit.add_argument(
+        "--mode", choices=["txt2img", "img2img", "inpaint"], help="default: from --image/--mask"
+    )
+    submit.add_argument("--image", help="input image: a local file (uploaded) or a kiln-input: uri")
+    submit.add_argument("--mask", help="inpaint mask (white: repaint), as --image")
+    submit.add_argument("--strength", type=float, help="img2img/inpaint: 0-1, how much to repaint")
     submit.add_argument("--width", type=int)
     submit.add_argument("--height", type=int)
     submit.add_argument("--seed", type=int)
@@ -259,6 +266,9 @@ def _submit(args: argparse.Namespace) -> int:
     }
     client = _client()
     try:
+        for field in ("image", "mask"):
+            if field in request and not re.match(r"[a-z][a-z0-9+.-]*:", request[field]):
+                request[field] = client.upload(request[field])  # a local file: upload it first
         job = client.submit(request, job_id=args.job_id, at_front=args.front)
     except RequestRejected as exc:
         print(f"kiln submit: {exc}", file=sys.stderr)

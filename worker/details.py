@@ -24,7 +24,7 @@ from PIL.PngImagePlugin import PngInfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_client.errors import short
-from api_client.schema import OutputFormat, RenderRequest, Rung
+from api_client.schema import Mode, OutputFormat, RenderRequest, Rung
 from worker.errors import CannotReplay
 
 DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
@@ -78,20 +78,27 @@ class ImageDetails(BaseModel):
     quantized: dict[str, str]
     loras: list[LoraWeight]
     inputs: list[InputDigest]
+    mode: Mode = "txt2img"
+    strength: float | None = None
 
     def replay_request(self, where: str) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
         pinned to the rung and compile state that made it. CannotReplay, naming where the
         details came from, for what a request cannot carry yet."""
-        if self.loras or self.inputs:
-            carried = ", ".join(
-                [*(lora.name for lora in self.loras), *(i.field for i in self.inputs)]
-            )
+        if self.loras:
+            carried = ", ".join(lora.name for lora in self.loras)
             raise CannotReplay(
-                f"{where}: rendered with {carried}; requests take no LoRAs or input images yet,"
-                " so a replay would not match (loras, inputs)"
+                f"{where}: rendered with {carried}; requests take no LoRAs yet, so a replay would"
+                " not match (loras)"
             )
+        # Inputs by their sha256: a replay finds them while the uploads live (KILN_INPUT_TTL_S);
+        # the worker checks each one's sha256 on read.
+        uploads = {i.field: f"kiln-input:{i.sha256}" for i in self.inputs}
         return RenderRequest(
+            mode=None if self.mode == "txt2img" else self.mode,
+            image=uploads.get("image"),
+            mask=uploads.get("mask"),
+            strength=self.strength,
             model=self.model,
             prompt=self.prompt,
             negative_prompt=self.negative_prompt,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,8 @@ class FamilySpec:
     # TAESD previews need the loop's latents unpacked (B, C, H, W); FLUX and Qwen-Image pack
     # them into 2x2 patch tokens.
     previews: bool = True
+    # mode -> the diffusers class a mode's pipeline is derived as (from_pipe: same modules).
+    modes: dict[str, str] = field(default_factory=dict)
 
 
 def _encode_sd15(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
@@ -254,16 +256,28 @@ def _true_cfg_only(_guidance: float, true_cfg: float | None) -> dict[str, Any]:
     return {"guidance_scale": None, "true_cfg_scale": true_cfg or 1.0}
 
 
+def _modes(prefix: str) -> dict[str, str]:
+    """img2img and inpaint as diffusers names them for a family (FLUX.2 klein has neither)."""
+    return {"img2img": f"{prefix}Img2ImgPipeline", "inpaint": f"{prefix}InpaintPipeline"}
+
+
 SPECS: dict[str, FamilySpec] = {
-    "sd15": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
-    "sd2": FamilySpec("StableDiffusionPipeline", _encode_sd15, _decode_sd15),
-    "sdxl": FamilySpec("StableDiffusionXLPipeline", _encode_pooled, _decode_sdxl),
+    "sd15": FamilySpec(
+        "StableDiffusionPipeline", _encode_sd15, _decode_sd15, modes=_modes("StableDiffusion")
+    ),
+    "sd2": FamilySpec(
+        "StableDiffusionPipeline", _encode_sd15, _decode_sd15, modes=_modes("StableDiffusion")
+    ),
+    "sdxl": FamilySpec(
+        "StableDiffusionXLPipeline", _encode_pooled, _decode_sdxl, modes=_modes("StableDiffusionXL")
+    ),
     "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
         _encode_pooled,
         _decode_sd3,
         fp16_safe=False,
         denoiser="transformer",
+        modes=_modes("StableDiffusion3"),
     ),
     "flux": FamilySpec(
         "FluxPipeline",
@@ -273,6 +287,7 @@ SPECS: dict[str, FamilySpec] = {
         fp16_safe=False,
         denoiser="transformer",
         previews=False,
+        modes=_modes("Flux"),
     ),
     "flux2": FamilySpec(
         "Flux2KleinPipeline",
@@ -290,6 +305,7 @@ SPECS: dict[str, FamilySpec] = {
         fp16_safe=False,
         denoiser="transformer",
         previews=False,
+        modes=_modes("QwenImage"),
     ),
     "zimage": FamilySpec(
         "ZImagePipeline",
@@ -297,6 +313,7 @@ SPECS: dict[str, FamilySpec] = {
         _decode_sd3,
         fp16_safe=False,
         denoiser="transformer",
+        modes=_modes("ZImage"),
     ),
 }
 

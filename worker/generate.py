@@ -6,6 +6,7 @@ fault-injected and retried on its own."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -38,10 +39,13 @@ def generate(
     info: DeviceInfo,
     faults: FaultPlan,
     store: Store,
+    sources: dict[str, Image.Image] | None = None,
 ) -> list[Image.Image]:
-    pipe, rung = loaded.pipe, loaded.rung
+    """sources: img2img's and inpaint's inputs as the pipeline takes them (image, mask_image)."""
+    mode, rung = request.mode or "txt2img", loaded.rung
+    pipe = loaded.pipe_for(mode)
     family = spec_of(loaded.manifest.family)
-    steps, guidance = int(request.steps or 1), float(request.guidance or 0.0)
+    steps, guidance = denoising_steps(request), float(request.guidance or 0.0)
     count, seed = request.num_images, int(request.seed or 0)
     shape = (request.width or 0, request.height or 0, count)
     record.cold = record.cold or shape not in loaded.warm_shapes
@@ -76,16 +80,23 @@ def generate(
     with watch.phase("denoise"):
         ctx.progress("denoise", 0, steps)
         faults.check("denoise", rung)
-        latents = pipe(
+        call = {
             **embeds,
             **family.guidance(guidance, request.true_cfg),
-            num_inference_steps=steps,
-            width=request.width,
-            height=request.height,
-            generator=generators,
-            output_type="latent",
-            callback_on_step_end=on_step,
-        ).images
+            "num_inference_steps": int(request.steps or 1),
+            "width": request.width,
+            "height": request.height,
+            "generator": generators,
+            "output_type": "latent",
+            "callback_on_step_end": on_step,
+        }
+        if sources:
+            call.update(sources, strength=request.strength)
+        latents = pipe(**_accepted(pipe, call)).images
+        if pipe is not loaded.pipe:
+            # Offload hooks belong to the resident pipeline: it moves every module back off the
+            # device and re-arms them, as its own call does at the end (a no-op at full).
+            loaded.pipe.maybe_free_model_hooks()
 
     # 3. Decode latents to pixels
     with watch.phase("decode"):
@@ -94,9 +105,26 @@ def generate(
         images = family.decode(pipe, latents, *shape[:2])
     loaded.warm_shapes.add(shape)
     loaded.cfg_seen.add(cfg)
+    loaded.modes_seen.add(mode)
     record.peak_memory_bytes = dev.peak_bytes(info)
     record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
     return images
+
+
+def denoising_steps(request: RenderRequest) -> int:
+    """Steps the denoiser runs: all of them for txt2img; img2img and inpaint start part-way,
+    skipping what their strength keeps of the input (diffusers' get_timesteps)."""
+    steps = int(request.steps or 1)
+    if request.strength is None:
+        return steps
+    return max(steps - int(steps - steps * request.strength), 1)
+
+
+def _accepted(pipe: Any, call: dict[str, Any]) -> dict[str, Any]:
+    """The call without width and height where the pipeline takes no size (SD's and SDXL's
+    img2img render at the input's size, which validation holds to the job's)."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    return {k: v for k, v in call.items() if k in params or k not in ("width", "height")}
 
 
 def _preview(

@@ -8,6 +8,7 @@ are the callbacks the Ladder runs, and read best beside the steps that hand them
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +17,9 @@ from typing import Any
 
 import torch
 from PIL import Image
+from redis import Redis
 
+from api_client.connection import connect
 from api_client.errors import short
 from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
@@ -24,7 +27,7 @@ from worker import device as dev
 from worker import output
 from worker.compile import graphs_compiled
 from worker.context import JobContext
-from worker.details import ImageDetails, kiln_version
+from worker.details import ImageDetails, InputDigest, kiln_version
 from worker.device import DeviceInfo
 from worker.errors import (
     FatalWorkerError,
@@ -114,6 +117,9 @@ class Renderer:
                 record = TimingRecord.from_result(done, answered_by=self.worker_name)
                 record.status = "done"
                 return done
+            # 2b. An img2img or inpaint job's inputs, read and checked (sha256, format, size)
+            #     before anything is loaded or evicted for it.
+            sources, inputs = self._read_inputs(request)
             # 3. Choose a rung and have the pipeline resident there; a rung the request pins (a
             #    replay's) is a pinned ladder, which never descends. A cancel or a lost lease is
             #    taken at every phase boundary as well as at every denoising step.
@@ -128,7 +134,7 @@ class Renderer:
                 # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
                 images, loaded = ladder.generate(
                     loaded,
-                    run=lambda on: self._attempt(on, request, ctx, watch, record),
+                    run=lambda on: self._attempt(on, request, ctx, watch, record, sources),
                     reclaim=lambda: self._reclaim(watch, keep=manifest.id),
                     reload=lambda rung: self._reload(manifest, rung, pin, ladder, watch, record),
                     phase=lambda: watch.current,
@@ -148,7 +154,7 @@ class Renderer:
             #    last, as the mark of a complete job. Nothing is written unless this run still
             #    holds the job (a stalled worker's may have lapsed).
             with watch.phase("image_encode"):
-                details = [self._details(request, loaded, i) for i in range(len(images))]
+                details = [self._details(request, loaded, i, inputs) for i in range(len(images))]
                 encoded = [
                     output.encode_image(image, request.output_format, about)
                     for image, about in zip(images, details, strict=True)
@@ -302,6 +308,7 @@ class Renderer:
         ctx: JobContext,
         watch: Stopwatch,
         record: TimingRecord,
+        sources: dict[str, Image.Image],
     ) -> tuple[list[Image.Image], LoadedPipeline]:
         """One try on this pipeline; a compiled forward that fails once falls back to eager."""
         while True:
@@ -311,9 +318,8 @@ class Renderer:
             record.scheduler = type(loaded.pipe.scheduler).__name__
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
-            novelty = loaded.novelty(
-                request.width or 0, request.height or 0, request.num_images, cfg
-            )
+            size = (request.width or 0, request.height or 0)
+            novelty = loaded.novelty(*size, request.num_images, cfg, request.mode or "txt2img")
             try:
                 images = generate(
                     loaded,
@@ -324,6 +330,7 @@ class Renderer:
                     info=self.info,
                     faults=self.faults,
                     store=self.store,
+                    sources=sources,
                 )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):
@@ -357,7 +364,42 @@ class Renderer:
         with watch.phase("load"):
             self._free(keep=keep)
 
-    def _details(self, request: RenderRequest, loaded: LoadedPipeline, index: int) -> ImageDetails:
+    def _read_inputs(
+        self, request: RenderRequest
+    ) -> tuple[dict[str, Image.Image], list[InputDigest]]:
+        """The inputs as the pipeline takes them (image, mask_image), and each one's sha256."""
+        if request.image is None:
+            return {}, []
+        from worker.inputs import InputUnavailable, check_mask_size, load_input
+
+        image = load_input(request.image, self._redis, self.store, self.settings)
+        if image.image.size != (request.width, request.height):
+            width, height = image.image.size
+            raise InputUnavailable(
+                f"image {short(request.image)}: is {width}x{height}, not the job's size"
+                f" {request.width}x{request.height} (kiln never resizes an input)"
+            )
+        sources = {"image": image.image}
+        inputs = [InputDigest(field="image", sha256=image.sha256)]
+        if request.mask is not None:
+            mask = load_input(request.mask, self._redis, self.store, self.settings, field="mask")
+            check_mask_size(image.image, mask.image, request.mask)
+            sources["mask_image"] = mask.image
+            inputs.append(InputDigest(field="mask", sha256=mask.sha256))
+        return sources, inputs
+
+    @functools.cached_property
+    def _redis(self) -> Redis:
+        """Where uploaded inputs are read from: the worker's Redis, opened at the first one."""
+        return connect(self.settings.redis_url)
+
+    def _details(
+        self,
+        request: RenderRequest,
+        loaded: LoadedPipeline,
+        index: int,
+        inputs: list[InputDigest],
+    ) -> ImageDetails:
         """What image `index` of this job carries inside its file: enough to render it again."""
         return ImageDetails(
             kiln=kiln_version(),
@@ -381,7 +423,9 @@ class Renderer:
             device=self.info.torch_device,
             quantized=dict(loaded.quantized),
             loras=[],  # kiln takes no LoRAs yet (#17 item 3)
-            inputs=[],  # nor input images (#17 item 2)
+            inputs=inputs,
+            mode=request.mode or "txt2img",
+            strength=request.strength,
         )
 
     def _result(
@@ -452,6 +496,7 @@ def _describe(record: TimingRecord, request: RenderRequest) -> None:
         request.true_cfg,
     )
     record.width, record.height = request.width, request.height
+    record.mode, record.strength = request.mode or "txt2img", request.strength
 
 
 def _requested_model(payload: Any) -> str | None:

@@ -42,6 +42,8 @@ class LoadedPipeline:
     warm_shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (w, h, batch) seen
     recompiles: int = 0  # graphs Dynamo built for this pipeline after its first job
     cfg_seen: set[bool] = field(default_factory=set)  # guidance on, off, or both, so far
+    mode_pipes: dict[str, Any] = field(default_factory=dict)  # img2img, inpaint: from_pipe views
+    modes_seen: set[str] = field(default_factory=set)
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
 
     @property
@@ -56,9 +58,11 @@ class LoadedPipeline:
         device: torch.device = self.pipe._execution_device
         return device
 
-    def novelty(self, width: int, height: int, count: int, cfg: bool) -> str:
+    def novelty(self, width: int, height: int, count: int, cfg: bool, mode: str = "txt2img") -> str:
         """What a job asks that no job before it on this pipeline did: why a compiled denoiser
         would build new graphs for it."""
+        if self.modes_seen and mode not in self.modes_seen:
+            return f"new mode {mode}"
         if (width, height) not in {(w, h) for w, h, _ in self.warm_shapes}:
             return f"new size {width}x{height}"
         if (width, height, count) not in self.warm_shapes:
@@ -66,6 +70,27 @@ class LoadedPipeline:
         if cfg not in self.cfg_seen:
             return f"guidance {'on' if cfg else 'off'} (CFG changes the denoiser's batch)"
         return "no new size, batch or guidance: a guard on another input failed"
+
+    def pipe_for(self, mode: str) -> Any:
+        """The pipeline that renders mode: the resident one for txt2img; for img2img and inpaint
+        the family's class built on the resident pipeline's own modules, so nothing is loaded or
+        placed again, kept for the next job of that mode. Not diffusers' from_pipe: it ends by
+        casting every module (.to(dtype), fp32 unless told), which torchao's quantized weights
+        refuse (Int8Tensor has no aten.to) and which would undo a bf16 load."""
+        if mode == "txt2img":
+            return self.pipe
+        derived = self.mode_pipes.get(mode)
+        if derived is None:
+            import diffusers
+
+            pipeline_cls = getattr(diffusers, spec_of(self.manifest.family).modes[mode])
+            modules, options = pipeline_cls._get_signature_keys(pipeline_cls)
+            parts = {k: v for k, v in self.pipe.components.items() if k in modules}
+            parts.update({k: v for k, v in self.pipe.config.items() if k in options})
+            derived = pipeline_cls(**parts)
+            derived.set_progress_bar_config(disable=True)
+            self.mode_pipes[mode] = derived
+        return derived
 
     @property
     def denoiser(self) -> torch.nn.Module:
@@ -169,6 +194,7 @@ def _release(loaded: LoadedPipeline) -> None:
     """
     pipe = loaded.pipe
     loaded.pipe = None
+    loaded.mode_pipes.clear()  # views of the same modules: dropping them frees nothing else
     if pipe is None:
         return
     try:

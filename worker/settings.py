@@ -91,6 +91,17 @@ class Settings(BaseSettings):
         ge=60,
         description="How long a model queue's event stream keeps an event (trimmed by age)",
     )
+    input_max_mb: float = Field(
+        16.0,
+        gt=0,
+        le=512,  # a Redis string holds at most 512 MB
+        description="Largest input image (upload or store file) a job may read, in MiB",
+    )
+    input_ttl_s: int = Field(
+        86400,
+        ge=60,
+        description="How long client.upload() keeps an input image in Redis (kiln:input:<sha256>)",
+    )
     faults: str = Field("", description="Fault drills, e.g. oom@denoise:full*2,oom@load:full")
     inductor_cache_dir: Path = Field(
         Path.home() / ".cache" / "kiln" / "inductor", description="Persistent torch.compile cache"

@@ -71,6 +71,8 @@ class TimingRecord(BaseModel):
     steps: int | None = None
     guidance: float | None = None
     true_cfg: float | None = None
+    mode: str = "txt2img"
+    strength: float | None = None  # img2img and inpaint: how much of the input was re-noised
     scheduler: str | None = None  # the scheduler class the pipeline ran with
     per_step_s: float | None = None
     width: int | None = None
