@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -148,3 +149,15 @@ def kiln(
         timeout=timeout,
         check=check,
     )
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3-compatible server (moto) for this module's tests, over the network."""
+    from tests.s3server import MotoServer
+
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    server.start()
+    server.setup()
+    yield server
+    server.stop()

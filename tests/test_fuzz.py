@@ -53,6 +53,16 @@ anything = st.one_of(
     st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
+IMAGE_REFS = [
+    None,
+    "kiln-input:" + "0" * 64,
+    "kiln-input:xyz",
+    "https://attacker.example/a.png",
+    "/etc/passwd",
+    "file:///etc/passwd",
+    "data:image/png;base64,AAAA",
+    "data:text/html,hi",
+]
 plausible = {
     "model": st.sampled_from([MODEL, "tiny-sdxl", "tiny-flux", "nope", ""]),
     "prompt": weird_text,
@@ -61,10 +71,7 @@ plausible = {
     "guidance": st.floats(min_value=-2, max_value=20),
     "true_cfg": st.one_of(st.none(), st.floats(min_value=-1, max_value=12)),
     "mode": st.sampled_from([None, "txt2img", "img2img", "inpaint", "edit", "outpaint"]),
-    "image": st.sampled_from(
-        [None, "kiln-input:" + "0" * 64, "kiln-input:xyz", "https://attacker.example/a.png",
-         "/etc/passwd", "file:///etc/passwd", "data:image/png;base64,AAAA", "data:text/html,hi"]
-    ),  # fmt: skip
+    "image": st.sampled_from(IMAGE_REFS),
     "mask": st.sampled_from([None, "kiln-input:" + "1" * 64, "s3://other/bucket/m.png", ""]),
     "strength": st.one_of(st.none(), st.floats(min_value=-1, max_value=2)),
     "width": st.sampled_from([0, -128, 128, 192, 4096, 10**12]),

@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +76,6 @@ def store(settings: Any) -> LocalStore:
     local = open_store(settings)
     assert isinstance(local, LocalStore)
     return local
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
-    server.start()
-    server.setup()
-    yield server
-    server.stop()
 
 
 # -- upload ------------------------------------------------------------------------------------

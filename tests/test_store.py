@@ -45,15 +45,6 @@ SECRET = "whsec_" + base64.b64encode(b"studio-webhook-secret-0123456789").decode
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 5}
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
-    server.start()
-    server.setup()
-    yield server
-    server.stop()
-
-
 def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     redis_conn: Redis,
     redis_url: str,
