@@ -1,5 +1,6 @@
 """The memory ladder: rungs best first, the choice of a rung from free memory, and the
-out-of-memory rules (Ladder) that the renderer and `kiln doctor` both follow."""
+out-of-memory rules (Ladder) that the renderer and `kiln doctor` both follow. Just over 300
+lines: the needs arithmetic (Fit), the choice and the rules are one policy, read together."""
 
 from __future__ import annotations
 
