@@ -37,6 +37,16 @@ MAX_IMAGES = 4
 # import or call what a payload names, so this is a label on the wire, not a code path.
 RENDER_FUNC = "worker.queue.render_job"
 WEBHOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_LORAS = 4  # adapters one request may name
+
+
+class LoraChoice(BaseModel):
+    """One adapter a request names, from its manifest's loras, and the weight it applies at."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    weight: float | None = None  # None: the manifest's default_weight
 
 
 class RenderRequest(BaseModel):
@@ -63,6 +73,8 @@ class RenderRequest(BaseModel):
     image: str | None = None
     mask: str | None = None
     strength: float | None = None
+    # Adapters from the manifest's loras, each at its weight (default: its default_weight).
+    loras: list[LoraChoice] | None = Field(default=None, max_length=MAX_LORAS)
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
@@ -122,7 +134,7 @@ class RenderRequest(BaseModel):
 # Request fields added after requests were first stored; unset, they are left out of the wire form
 # and the digest, so a request that does not use them reads exactly as it did before they existed
 # (to workers not yet upgraded, and to result.json files written before).
-LATER_FIELDS = ("true_cfg", "rung", "compile", "mode", "image", "mask", "strength")
+LATER_FIELDS = ("true_cfg", "rung", "compile", "mode", "image", "mask", "strength", "loras")
 
 
 def _unset_later_fields(request: RenderRequest) -> set[str]:

@@ -260,7 +260,7 @@ class Renderer:
         resident = self.cache.get(manifest.id)
         if resident is not None and self._serves(resident, rung, pin):
             return resident
-        record.cold = True
+        record.cold, record.load_source = True, "disk"
 
         def load(at: Rung) -> LoadedPipeline:
             self._make_room(manifest, at)

@@ -16,7 +16,7 @@ import structlog
 from pydantic import BaseModel, Field
 
 from api_client.errors import MESSAGE_LIMIT, short
-from api_client.schema import Attempt, RenderResult, SettingsReport, TimingFit, Timings
+from api_client.schema import Attempt, LoraChoice, RenderResult, SettingsReport, TimingFit, Timings
 
 log = structlog.get_logger("kiln.timings")
 
@@ -85,6 +85,10 @@ class TimingRecord(BaseModel):
     simulated_device: str | None = None  # the KILN_DEVICE_PROFILE decisions were made as
     dtype: str | None = None
     compiled: bool = False
+    # Where the weights came from: already resident, the host-RAM cache of evicted pipelines, or
+    # a read from disk.
+    load_source: Literal["resident", "ram", "disk"] = "resident"
+    loras: list[LoraChoice] = Field(default_factory=list)  # adapters applied, at their weights
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
     # One entry per job of this pipeline that rebuilt graphs: what was new ("new size 192x128").
     recompile_causes: list[str] = Field(default_factory=list)
