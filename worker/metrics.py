@@ -1,19 +1,26 @@
 """Prometheus metrics for `kiln worker --metrics-port`: jobs by model and status, phase seconds,
-out-of-memory attempts and rung descents, jobs answered from the store, the rung each resident
-model is on, device memory in use, and (read from Redis at scrape time only) the depth of each
-served model's queue."""
+out-of-memory attempts and rung descents, jobs answered from the store, recompiles by cause, loads
+by source, the rung each resident model is on, device memory in use, and (read from Redis at
+scrape time only) the depth of each served model's queue and the ETA of its next default job.
+
+Labels are bounded sets (model ids, rungs, phases, statuses, the CAUSES below): never a job id, a
+prompt or a raw message. docker/grafana/dashboards/kiln.json reads these names
+(tests/test_dashboard.py holds the two together)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from api_client import keys
+from api_client.manifest import Manifest
 from api_client.schema import PHASES
+from worker.backlog import backlogs
 from worker.timings import TimingRecord
 
 JOBS = Counter(
@@ -38,6 +45,16 @@ ANSWERED_FROM_STORE = Counter(
     "Jobs answered from their stored result after a worker died before reporting it",
     ["model"],
 )
+RECOMPILES = Counter(
+    "kiln_recompiles_total",
+    "Graphs torch.compile rebuilt for a warm pipeline, by model and what was new (see CAUSES)",
+    ["model", "cause"],
+)
+LOADS = Counter(
+    "kiln_loads_total",
+    "Jobs by where their pipeline came from: resident already, the host-RAM cache, or disk",
+    ["model", "source"],
+)
 RESIDENT_RUNG = Gauge(
     "kiln_resident_rung", "1 for each resident model at the rung it is loaded on", ["model", "rung"]
 )
@@ -47,29 +64,78 @@ DEVICE_MEMORY = Gauge(
 )
 
 
+# The label values of kiln_recompiles_total, from the start of each recompile cause the renderer
+# writes (LoadedPipeline.novelty in worker/resident.py, "new adapter set" from the LoRA swap): a
+# cause's text names sizes and modes, which would make a new series per size.
+CAUSES = (
+    ("new size", "size"),
+    ("new batch", "batch"),
+    ("guidance", "guidance"),
+    ("new mode", "mode"),
+    ("new adapter", "adapters"),
+)
+
+
+def cause_category(cause: str) -> str:
+    """size, batch, guidance, mode, adapters, or other (a guard on another input failed)."""
+    return next((label for start, label in CAUSES if cause.startswith(start)), "other")
+
+
+def graphs_in(cause: str) -> int:
+    """The graph count a cause ends with ("new size 192x128: 3 graph(s)"), else 1."""
+    count = re.search(r": (\d+) graph", cause)
+    return int(count.group(1)) if count else 1
+
+
 class QueueDepth(Collector):
-    """kiln_queue_depth{model}: jobs waiting per served model, read with LLEN when scraped."""
+    """kiln_queue_depth{model} (LLEN) and kiln_queue_eta_seconds{model} (a default job submitted
+    now, worker/backlog.py) for each served model, read from Redis when scraped. A model whose
+    default size has no measured fit yet has no ETA sample."""
 
     def __init__(self, connection: Any, models: list[str]) -> None:
         self.connection = connection
         self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("kiln_queue_depth", "Jobs waiting per model", labels=["model"])
-        with self.connection.pipeline(transaction=False) as pipe:
-            for model in self.models:
-                pipe.llen(f"rq:queue:{keys.queue_name(model)}")
-            depths = pipe.execute()
-        for model, depth in zip(self.models, depths, strict=True):
-            family.add_metric([model], int(depth))
-        yield family
+        depth = GaugeMetricFamily("kiln_queue_depth", "Jobs waiting per model", labels=["model"])
+        eta = GaugeMetricFamily(
+            "kiln_queue_eta_seconds",
+            "Seconds until a default job of this model submitted now would have its result",
+            labels=["model"],
+        )
+        published = self.connection.hmget(keys.MANIFESTS_KEY, self.models)
+        manifests = {
+            model: Manifest.model_validate_json(raw)
+            for model, raw in zip(self.models, published, strict=True)
+            if raw
+        }
+        for backlog in backlogs(self.connection, self.models, manifests):
+            depth.add_metric([backlog.model], backlog.depth)
+            if backlog.eta_s is not None:
+                eta.add_metric([backlog.model], backlog.eta_s)
+        yield depth
+        yield eta
 
 
 def start_metrics(port: int, connection: Any = None, models: list[str] | None = None) -> None:
     """Serve /metrics on this port from a daemon thread (with queue depths when given Redis)."""
     if connection is not None and models:
         REGISTRY.register(QueueDepth(connection, models))
+    for model in models or []:
+        zero_series(model)
     start_http_server(port)
+
+
+def zero_series(model: str) -> None:
+    """The bounded series of a served model at 0 from the start, so the first event is an
+    increase() Prometheus sees and a dashboard panel is empty only when nothing happened."""
+    for status in get_args(TimingRecord.model_fields["status"].annotation):
+        JOBS.labels(model=model, status=status)
+    for source in get_args(TimingRecord.model_fields["load_source"].annotation):
+        LOADS.labels(model=model, source=source)
+    for cause in (*(label for _, label in CAUSES), "other"):
+        RECOMPILES.labels(model=model, cause=cause)
+    ANSWERED_FROM_STORE.labels(model=model)
 
 
 def observe(record: TimingRecord) -> None:
@@ -83,6 +149,10 @@ def observe(record: TimingRecord) -> None:
     for attempt in record.attempts:
         if attempt.outcome == "oom":
             OOMS.labels(model=model, rung=attempt.rung, phase=attempt.phase or "-").inc()
+    for cause in record.recompile_causes:
+        RECOMPILES.labels(model=model, cause=cause_category(cause)).inc(graphs_in(cause))
+    if record.rung is not None and record.answered_from == "render":  # a pipeline was placed
+        LOADS.labels(model=model, source=record.load_source).inc()
     if record.status != "done":
         return
     for phase in PHASES:
