@@ -216,6 +216,14 @@ def _parser() -> argparse.ArgumentParser:
     timings.add_argument("--last", type=int, help="show the last N jobs one per row")
     timings.set_defaults(handler=_timings)
 
+    top = verbs.add_parser(
+        "top", help="live view: workers, resident models and rungs, queues, last jobs"
+    )
+    top.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--last", type=int, default=10, help="how many ended jobs to show")
+    top.set_defaults(handler=_top)
+
     quarantine = verbs.add_parser(
         "quarantine", help="job records kiln could not read or that killed workers, with reasons"
     )
@@ -472,6 +480,13 @@ def _timings(args: argparse.Namespace) -> int:
     return run_report(
         args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last
     )
+
+
+def _top(args: argparse.Namespace) -> int:
+    from api_client.connection import connect
+    from worker.top import run_top
+
+    return run_top(connect(_settings().redis_url), args.once, args.interval, args.last)
 
 
 def _quarantine(args: argparse.Namespace) -> int:

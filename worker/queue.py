@@ -715,6 +715,7 @@ class KilnWorker(SimpleWorker):
         pipe = conn if conn is not None else self.connection.pipeline(transaction=False)
         moment = time.time()
         resident = self.renderer.cache.model_ids()
+        running = self.get_current_job_id()
         state = WorkerState(
             name=self.name,
             models=self.served,
@@ -725,13 +726,17 @@ class KilnWorker(SimpleWorker):
             heartbeat=moment,
             pid=os.getpid(),
             host=socket.gethostname(),
+            profile=self.renderer.info.simulated,
+            rungs=self.renderer.cache.rungs(),
+            running=running,
+            jobs_done=self.done_jobs,
+            free_bytes=dev.free_bytes(self.renderer.info),
         )
         pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         pipe.zadd(keys.WORKERS_KEY, {self.name: moment})
         if sweep:  # workers killed without a goodbye leave their name behind
             pipe.zremrangebyscore(keys.WORKERS_KEY, 0, moment - WORKER_STATE_TTL_S)
         self.last_heartbeat = now()
-        running = self.get_current_job_id()
         pipe.hset(
             self.key,
             mapping={

@@ -1,0 +1,74 @@
+"""`kiln top --once` against two running workers and their two queues: each worker named on one
+line with its device, resident model and rung, the running job's phase and step, and jobs done;
+each queue with its depth; the last jobs with their phases; nothing wrapped on a narrow terminal."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from redis import Redis
+
+from api_client import KilnClient, keys
+from api_client.schema import WorkerState
+from tests.conftest import ROOT, kiln
+from tests.workers import WorkerProcess, paced, wait_until
+
+
+def published(conn: Redis, name: str) -> WorkerState | None:
+    raw = conn.get(keys.worker_key(name))
+    return WorkerState.model_validate_json(raw) if raw else None
+
+
+def test_top_once_shows_two_workers_and_two_queues(
+    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The sd15 worker's steps are paced, so its long job is mid-denoise when top looks.
+    slow = WorkerProcess(kiln_env, tmp_path / "a.log", "--models", "tiny-sd15", fake=paced(0.4))
+    quick = WorkerProcess(kiln_env, tmp_path / "b.log", "--models", "tiny-sdxl")
+    client = KilnClient(connection=redis_conn, manifests_dir=ROOT / "manifests")
+    try:
+        slow.wait_ready(redis_conn)
+        quick.wait_ready(redis_conn)
+        ended = [
+            client.submit({"model": model, "prompt": "warm", "steps": 2})
+            for model in ("tiny-sd15", "tiny-sdxl")
+        ]
+        for job in ended:
+            job.wait(timeout=120)
+        long = client.submit({"model": "tiny-sd15", "prompt": "long", "steps": 50})
+        behind = client.submit({"model": "tiny-sd15", "prompt": "behind", "steps": 2})
+
+        def running() -> bool:
+            state = published(redis_conn, slow.name)
+            progress = long.progress()
+            return bool(state and state.running == long.id and progress)
+
+        # The state is published every 10 s; the job's progress once a second.
+        wait_until(running, 40, "the slow worker to publish its running job", poll=0.3)
+        shown = kiln("top", "--once", env={**kiln_env, "COLUMNS": "40"}, check=True)
+    finally:
+        slow.stop()
+        quick.stop()
+
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("kiln top") and "2 workers, 2 queues" in lines[0], shown.stdout
+
+    def line_of(*parts: str) -> str:
+        found = [line for line in lines if all(part in line for part in parts)]
+        assert len(found) == 1, f"{parts} on one line of:\n{shown.stdout}"
+        return found[0]
+
+    # Each worker on one line, however narrow the terminal: name, device, resident@rung, done.
+    slow_line = line_of(slow.name, "(cpu)", "tiny-sd15@", long.id, "denoise")
+    assert re.search(rf"{long.id} \(tiny-sd15\) denoise \d+/50", slow_line), slow_line
+    quick_line = line_of(quick.name, "(cpu)", "tiny-sdxl@full", " GB")
+    assert re.search(r"\s1\s", quick_line), quick_line  # one job done
+    # Both queues, the sd15 one with the job waiting behind the long one.
+    assert re.search(r"kiln:tiny-sd15\s+1\s", line_of("kiln:tiny-sd15 ", slow.name)), shown.stdout
+    assert re.search(r"kiln:tiny-sdxl\s+0\s", line_of("kiln:tiny-sdxl ", quick.name))
+    assert behind.id not in shown.stdout  # a queued job is counted, not listed
+    # The last jobs: both warm-up jobs, done, with the worker that ran each and their phases.
+    for job, worker in zip(ended, (slow, quick), strict=True):
+        row = line_of(job.id, " done ", worker.name)
+        assert len(re.findall(r"\b\d+\.\d\d\b", row)) == 8, row  # eight phases in seconds
