@@ -68,13 +68,16 @@ GRID: dict[str, int] = {
 
 
 # The modes each family's pipelines serve here (from_pipe of the resident one: worker.families).
-# edit needs an edit model's pipeline (FLUX.1 Kontext, Qwen-Image-Edit), not served yet.
 FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
-    **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "flux")},
-    **{f: ("txt2img", "img2img", "inpaint") for f in ("qwenimage", "zimage")},
+    **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "zimage")},
+    **{f: ("txt2img", "img2img", "inpaint", "edit") for f in ("flux", "qwenimage")},
     "flux2": ("txt2img",),
 }
 TXT2IMG_ONLY: tuple[Mode, ...] = ("txt2img",)
+# edit is an edit model's own checkpoint (FLUX.1 Kontext, Qwen-Image-Edit) whose pipeline class is
+# the resident one, so a manifest that lists edit lists only what that pipeline renders: Kontext
+# also renders from a prompt alone; Qwen-Image-Edit's always reads an input image.
+EDIT_MODES: dict[str, tuple[Mode, ...]] = {"flux": ("txt2img", "edit"), "qwenimage": ("edit",)}
 # How much of an input image img2img and inpaint re-noise unless the request says (A1111's
 # default denoising strength).
 DEFAULT_STRENGTH = 0.75
@@ -248,14 +251,13 @@ class Manifest(_Strict):
         served = FAMILY_MODES.get(family or "", ())
         for mode in modes:
             if mode not in served:
-                raise ValueError(
-                    f"{mode}: family {family} serves {', '.join(served)} here"
-                    + (
-                        "; edit needs an edit model's pipeline, not served yet"
-                        if mode == "edit"
-                        else ""
-                    )
-                )
+                raise ValueError(f"{mode}: family {family} serves {', '.join(served)} here")
+        edit = EDIT_MODES.get(family or "", ())
+        if "edit" in modes and not set(modes) <= set(edit):
+            raise ValueError(
+                f"{', '.join(m for m in modes if m not in edit)}: a {family} manifest with edit is"
+                f" an edit model, whose pipeline serves {', '.join(edit)} only"
+            )
         return modes
 
     @field_validator("rung_vram_gb")
@@ -352,11 +354,13 @@ def _mode(
     from api_client.inputs import InputRefused, parse_ref
 
     image, mask = request.image, request.mask
-    mode = request.mode or ("inpaint" if mask else "img2img" if image else "txt2img")
+    # An edit model's image is an edit's: it serves no img2img.
+    given = "edit" if "edit" in manifest.modes else "img2img"
+    mode = request.mode or ("inpaint" if mask else given if image else "txt2img")
     if mode not in manifest.modes:
         rule = f"must be one of {', '.join(manifest.modes)} (manifest {manifest.id}'s modes)"
         problems.append(Problem("mode", mode, rule))
-    needs = {"txt2img": (), "img2img": ("image",), "inpaint": ("image", "mask")}.get(mode, ())
+    needs = {"img2img": ("image",), "inpaint": ("image", "mask"), "edit": ("image",)}.get(mode, ())
     for field, value in (("image", image), ("mask", mask)):
         if value is None and field in needs:
             problems.append(
@@ -371,9 +375,10 @@ def _mode(
                 parse_ref(value, field)
             except InputRefused as exc:
                 problems.append(exc.problem)
-    if mode == "txt2img":
+    if mode in ("txt2img", "edit"):
+        # The edit pipelines denoise from noise with the image as context: nothing to re-noise.
         if request.strength is not None:
-            problems.append(Problem("strength", request.strength, "mode txt2img takes none"))
+            problems.append(Problem("strength", request.strength, f"mode {mode} takes none"))
         return mode, None
     strength = DEFAULT_STRENGTH if request.strength is None else request.strength
     if not math.isfinite(strength) or not 0 < strength <= 1:

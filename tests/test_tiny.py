@@ -14,6 +14,7 @@ import torch
 from diffusers import (
     DiffusionPipeline,
     Flux2KleinPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -36,6 +37,7 @@ PIPELINE_CLASSES: dict[str, type[Any]] = {
     "sdxl": StableDiffusionXLPipeline,
     "sd3": StableDiffusion3Pipeline,
     "flux": FluxPipeline,
+    "flux-kontext": FluxKontextPipeline,
     "flux2": Flux2KleinPipeline,
     "qwenimage": QwenImagePipeline,
     "zimage": ZImagePipeline,
@@ -50,6 +52,7 @@ LATENT_SHAPES: dict[str, tuple[int, ...]] = {
     "sdxl": (1, 4, 16, 16),
     "sd3": (1, 16, 16, 16),
     "flux": (1, 64, 64),
+    "flux-kontext": (1, 64, 64),
     "flux2": (1, 32, 16, 16),
     "qwenimage": (1, 64, 64),
     "zimage": (1, 16, 16, 16),
@@ -58,6 +61,7 @@ LATENT_SHAPES: dict[str, tuple[int, ...]] = {
 # qwenimage: true CFG against a negative prompt); the other families take their defaults.
 CALL_ARGS: dict[str, dict[str, Any]] = {
     "flux": {"guidance_scale": 3.5},
+    "flux-kontext": {"guidance_scale": 2.5},
     "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": "blurry"},
 }
 # Two guidance settings a family must tell apart: off, and on (with a negative prompt where the
@@ -94,6 +98,8 @@ def _render(
 ) -> Any:
     # prompt by keyword: Flux2KleinPipeline's first positional parameter is image. Two steps at
     # least: with Qwen-Image's shift_terminal one step's only sigma is 0/0 (NaN), as upstream.
+    if isinstance(pipe, FluxKontextPipeline):  # it rescales any size to max_area (1 MP) unless told
+        extra.setdefault("max_area", size[0] * size[1])
     return pipe(
         prompt=prompt,
         height=size[0],

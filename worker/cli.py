@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
         help="true CFG against the negative prompt (FLUX.1, Qwen-Image; where the manifest allows)",
     )
     submit.add_argument(
-        "--mode", choices=["txt2img", "img2img", "inpaint"], help="default: from --image/--mask"
+        "--mode",
+        choices=["txt2img", "img2img", "inpaint", "edit"],
+        help="default: from --image/--mask (an edit model's --image: edit)",
     )
     submit.add_argument("--image", help="input image: a local file (uploaded) or a kiln-input: uri")
     submit.add_argument("--mask", help="inpaint mask (white: repaint), as --image")

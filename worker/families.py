@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from PIL import Image
 
-from api_client.manifest import CFG
+from api_client.manifest import CFG, Manifest
 
 Embeds = dict[str, Any]  # tensors; Z-Image takes a list of per-prompt tensors
 
@@ -36,6 +36,7 @@ class Prompt:
     count: int
     cfg: bool
     max_tokens: int | None = None  # the manifest's max_sequence_length (T5 and Qwen encoders)
+    image: Image.Image | None = None  # an edit's input, which Qwen-Image-Edit's encoder reads too
 
     def tokens(self) -> dict[str, int]:
         return {} if self.max_tokens is None else {"max_sequence_length": self.max_tokens}
@@ -59,6 +60,10 @@ class FamilySpec:
     previews: bool = True
     # mode -> the diffusers class a mode's pipeline is derived as (from_pipe: same modules).
     modes: dict[str, str] = field(default_factory=dict)
+    # (width, height) -> pipeline call arguments of this family's own (FLUX.1 Kontext's size).
+    call: Callable[[int, int], dict[str, Any]] = lambda _w, _h: {}
+    # Modules the pipeline needs beyond diffusers' own dependencies, checked when a worker starts.
+    requires: tuple[str, ...] = ()
 
 
 def _encode_sd15(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
@@ -174,7 +179,9 @@ def _encode_flux2(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
 
 def _encode_qwenimage(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
     # QwenImagePipeline.__call__ encodes at 512 tokens (encode_prompt's own default is 1024).
-    tokens = p.tokens() or {"max_sequence_length": 512}
+    tokens: dict[str, Any] = p.tokens() or {"max_sequence_length": 512}
+    if p.image is not None:
+        tokens["image"] = _edit_prompt_image(pipe, p.image)
 
     def encode(text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         embeds, mask = pipe.encode_prompt(
@@ -190,6 +197,15 @@ def _encode_qwenimage(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
             p.negative or " "
         )
     return out
+
+
+def _edit_prompt_image(pipe: Any, image: Image.Image) -> Any:
+    """The input as QwenImageEditPipeline.__call__ hands it to its text encoder: resized to about
+    1 MP at its aspect ratio on a 32 px grid (its processor then patches it for the VL tower)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    width, height, _ = calculate_dimensions(1024 * 1024, image.width / image.height)
+    return pipe.image_processor.resize(image, height, width)
 
 
 def _encode_zimage(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
@@ -216,7 +232,8 @@ class _AllValidMask(logging.Filter):
         return "_mask` is not provided, so the model will treat all" not in record.getMessage()
 
 
-logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage").addFilter(_AllValidMask())
+for _name in ("pipeline_qwenimage", "pipeline_qwenimage_edit"):
+    logging.getLogger(f"diffusers.pipelines.qwenimage.{_name}").addFilter(_AllValidMask())
 
 
 def _decode_flux(pipe: Any, latents: torch.Tensor, width: int, height: int) -> list[Image.Image]:
@@ -317,6 +334,50 @@ SPECS: dict[str, FamilySpec] = {
         modes=_modes("ZImage"),
     ),
 }
+
+
+def _kontext_call(width: int, height: int) -> dict[str, Any]:
+    """FluxKontextPipeline rescales the output to max_area (1 MP unless told) and the input to the
+    nearest of the resolutions Kontext was trained at; the job's size is the manifest's, and an
+    input is the job's size (kiln never resizes one), so neither is changed here."""
+    return {"max_area": width * height, "_auto_resize": False}
+
+
+# An edit model is its own checkpoint: a manifest whose modes list edit loads its family's edit
+# pipeline as the resident one (api_client.manifest.EDIT_MODES: what else it may list).
+EDIT_SPECS: dict[str, FamilySpec] = {
+    "flux": replace(
+        SPECS["flux"], pipeline_class="FluxKontextPipeline", modes={}, call=_kontext_call
+    ),
+    # Its encoder reads the input image too (Prompt.image), through Qwen2.5-VL's vision tower;
+    # its Qwen2VLProcessor cannot be built without a video processor, which needs torchvision.
+    "qwenimage": replace(
+        SPECS["qwenimage"],
+        pipeline_class="QwenImageEditPipeline",
+        modes={},
+        requires=("torchvision",),
+    ),
+}
+
+
+def spec_for(manifest: Manifest) -> FamilySpec:
+    """How this manifest's model renders: its family's spec, or the edit one for an edit model."""
+    if "edit" in manifest.modes:
+        return EDIT_SPECS[manifest.family]
+    return spec_of(manifest.family)
+
+
+def check_installed(manifest: Manifest) -> None:
+    """ImportError naming what this manifest's pipeline needs and this environment lacks."""
+    import importlib.util
+
+    spec = spec_for(manifest)
+    missing = [name for name in spec.requires if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"model {manifest.id}: {spec.pipeline_class} needs {', '.join(missing)}, which is not"
+            " installed (install the build that matches this torch, or stop serving the model)"
+        )
 
 
 def spec_of(name: str) -> FamilySpec:

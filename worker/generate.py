@@ -18,7 +18,7 @@ from worker import device as dev
 from worker.context import JobContext
 from worker.device import DeviceInfo
 from worker.errors import JobStopped
-from worker.families import Prompt, cfg_active, decode_preview, spec_of
+from worker.families import Prompt, cfg_active, decode_preview, spec_for
 from worker.faults import FaultPlan
 from worker.resident import LoadedPipeline
 from worker.store import Store
@@ -41,10 +41,11 @@ def generate(
     store: Store,
     sources: dict[str, Image.Image] | None = None,
 ) -> list[Image.Image]:
-    """sources: img2img's and inpaint's inputs as the pipeline takes them (image, mask_image)."""
+    """sources: img2img's, inpaint's and edit's inputs as the pipeline takes them (image,
+    mask_image)."""
     mode, rung = request.mode or "txt2img", loaded.rung
     pipe = loaded.pipe_for(mode)
-    family = spec_of(loaded.manifest.family)
+    family = spec_for(loaded.manifest)
     steps, guidance = denoising_steps(request), float(request.guidance or 0.0)
     count, seed = request.num_images, int(request.seed or 0)
     shape = (request.width or 0, request.height or 0, count)
@@ -58,8 +59,14 @@ def generate(
         ctx.progress("text_encode", 0, steps)
         faults.check("text_encode", rung)
         cfg = cfg_active(loaded.manifest.family, guidance, request.true_cfg)
+        edited = (sources or {}).get("image") if mode == "edit" else None
         prompt = Prompt(
-            request.prompt, request.negative_prompt, count, cfg, loaded.manifest.max_sequence_length
+            request.prompt,
+            request.negative_prompt,
+            count,
+            cfg,
+            loaded.manifest.max_sequence_length,
+            image=edited,
         )
         embeds = family.encode(pipe, loaded.execution_device, prompt)
 
@@ -89,9 +96,11 @@ def generate(
             "generator": generators,
             "output_type": "latent",
             "callback_on_step_end": on_step,
+            **family.call(*shape[:2]),
         }
-        if sources:
-            call.update(sources, strength=request.strength)
+        call.update(sources or {})
+        if request.strength is not None:  # img2img and inpaint; edit has none
+            call["strength"] = request.strength
         latents = pipe(**_accepted(pipe, call)).images
         if pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the

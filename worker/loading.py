@@ -12,7 +12,7 @@ from api_client.manifest import Manifest
 from api_client.schema import Rung, SettingsReport
 from worker import device as dev
 from worker.device import DeviceInfo
-from worker.families import spec_of
+from worker.families import check_installed, spec_for, spec_of
 from worker.faults import FaultPlan
 from worker.ladder import Fit
 from worker.manifest import weights_source
@@ -28,7 +28,8 @@ def import_pipeline_classes(manifests: list[Manifest]) -> None:
     import diffusers
 
     for manifest in manifests:
-        getattr(diffusers, spec_of(manifest.family).pipeline_class)
+        check_installed(manifest)
+        getattr(diffusers, spec_for(manifest).pipeline_class)
 
 
 def choose_dtype(manifest: Manifest, info: DeviceInfo) -> tuple[torch.dtype, str]:
@@ -81,7 +82,7 @@ def load_pipeline(
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    pipeline_cls = getattr(diffusers, spec_of(manifest.family).pipeline_class)
+    pipeline_cls = getattr(diffusers, spec_for(manifest).pipeline_class)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if manifest.revision:
         kwargs["revision"] = manifest.revision

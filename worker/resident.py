@@ -72,12 +72,13 @@ class LoadedPipeline:
         return "no new size, batch or guidance: a guard on another input failed"
 
     def pipe_for(self, mode: str) -> Any:
-        """The pipeline that renders mode: the resident one for txt2img; for img2img and inpaint
-        the family's class built on the resident pipeline's own modules, so nothing is loaded or
-        placed again, kept for the next job of that mode. Not diffusers' from_pipe: it ends by
+        """The pipeline that renders mode: the resident one for txt2img and for edit (an edit
+        model's resident pipeline is its edit class); for img2img and inpaint the family's class
+        built on the resident pipeline's own modules, so nothing is loaded or placed again, kept
+        for the next job of that mode. Not diffusers' from_pipe: it ends by
         casting every module (.to(dtype), fp32 unless told), which torchao's quantized weights
         refuse (Int8Tensor has no aten.to) and which would undo a bf16 load."""
-        if mode == "txt2img":
+        if mode in ("txt2img", "edit"):
             return self.pipe
         derived = self.mode_pipes.get(mode)
         if derived is None:

@@ -22,7 +22,7 @@ from diffusers import DiffusionPipeline
 from transformers.utils import logging as transformers_logging
 
 from worker.tiny.components import seeded, taesd
-from worker.tiny.flux import flux
+from worker.tiny.flux import flux, flux_kontext
 from worker.tiny.flux2 import flux2
 from worker.tiny.qwenimage import qwenimage
 from worker.tiny.sd import sd3, sd15, sdxl
@@ -49,6 +49,8 @@ _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
     "flux": flux,
     "flux2": flux2,
     "qwenimage": qwenimage,
+    # An edit model of the flux family (manifest modes [txt2img, edit]): its own checkpoint.
+    "flux-kontext": flux_kontext,
     "zimage": zimage,
 }
 TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)

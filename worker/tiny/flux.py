@@ -1,10 +1,19 @@
 """Tiny FLUX.1 (FluxPipeline): CLIP-L pooled text and T5 tokens into a FLUX MMDiT with
-embedded guidance, as in FLUX.1-dev, over FLUX's 16-channel VAE.
+embedded guidance, as in FLUX.1-dev, over FLUX's 16-channel VAE; and tiny FLUX.1 Kontext
+(FluxKontextPipeline), the same architecture with its own weights, which reads an input image's
+latents as extra tokens beside the ones it denoises.
 """
 
 from __future__ import annotations
 
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from typing import Any
+
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
 from transformers import CLIPTextModel, T5EncoderModel
 
 from worker.tiny.components import (
@@ -24,10 +33,21 @@ FLUX_LATENT_CHANNELS = 16
 
 
 def flux() -> FluxPipeline:
+    return FluxPipeline(**_components(seed=31))
+
+
+def flux_kontext() -> FluxKontextPipeline:
+    """FLUX.1 Kontext [dev] is FLUX.1 [dev]'s architecture and scheduler (its transformer config
+    differs only in weights): the input image's latents are concatenated along the sequence, so
+    in_channels stay 64. Seeds of its own, as a checkpoint of its own."""
+    return FluxKontextPipeline(**_components(seed=131))
+
+
+def _components(seed: int) -> dict[str, Any]:
     tokenizer = clip_tokenizer()
     tokenizer_2 = t5_tokenizer(FLUX_T5_MAX_LENGTH)
     transformer = seeded(
-        31,
+        seed,
         lambda: FluxTransformer2DModel(
             # Patching is the pipeline's (_pack_latents), so the model sees 1x1 patches.
             patch_size=1,
@@ -45,21 +65,23 @@ def flux() -> FluxPipeline:
             axes_dims_rope=(4, 6, 6),
         ),
     )
-    text_encoder = seeded(32, lambda: CLIPTextModel(clip_config(len(tokenizer), "quick_gelu")))
-    text_encoder_2 = seeded(33, lambda: T5EncoderModel(t5_config(tokenizer_2)))
+    text_encoder = seeded(
+        seed + 1, lambda: CLIPTextModel(clip_config(len(tokenizer), "quick_gelu"))
+    )
+    text_encoder_2 = seeded(seed + 2, lambda: T5EncoderModel(t5_config(tokenizer_2)))
     vae = seeded(
-        34,
+        seed + 3,
         lambda: kl_vae(FLUX_LATENT_CHANNELS, FLUX_VAE_SCALING, shift_factor=FLUX_VAE_SHIFT),
     )
-    return FluxPipeline(
-        scheduler=flux1_dev_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    return {
+        "scheduler": flux1_dev_scheduler(),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "transformer": transformer,
+    }
 
 
 def flux1_dev_scheduler() -> FlowMatchEulerDiscreteScheduler:
