@@ -10,6 +10,9 @@ its hash is deleted and its id taken off the worker's queue lists, so rq never s
 Redis: QUARANTINE_KEY, a hash of job id -> entry JSON; QUARANTINE_ORDER_KEY, a sorted set of job id
 -> time quarantined. At most QUARANTINE_MAX entries are kept; the oldest go first.
 `kiln quarantine` lists the entries and `kiln quarantine --clear ID` drops one (or all).
+
+Over 300 lines because reading a record, moving it aside and listing or clearing the entries share
+one entry format and one set of bounds, read together.
 """
 
 from __future__ import annotations

@@ -47,54 +47,38 @@ Signals: the first SIGTERM/SIGINT finishes the job and exits (*request_stop); a 
 at its next step and re-queues it (*request_force_stop).
 
 Over 300 lines because this docstring and every RQ hook override stay in one place: the order
-in which RQ calls them is the thing to read together.
+in which RQ calls them is the thing to read together (tests/test_rq_contract.py holds each
+override to rq's signature).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from functools import partial
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 from redis import Redis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry as RedisRetry
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
-from rq.executions import Execution
 from rq.job import Job
-from rq.registry import StartedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
 from rq.timeouts import UnixSignalDeathPenalty
-from rq.utils import current_timestamp, now, utcformat
+from rq.utils import now
 from rq.worker import DequeueStrategy, WorkerStatus
-from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
-from api_client.connection import connect
 from api_client.errors import short
-from api_client.schema import WorkerState
-from worker import device as dev
 from worker import events as job_events
-from worker import execution, keytypes, metrics, quarantine
+from worker import keytypes, quarantine
 from worker.errors import (
     FatalWorkerError,
     JobDeadlineExceeded,
@@ -104,25 +88,22 @@ from worker.errors import (
     StoreUnavailable,
 )
 from worker.job import LEASE_LOST, RenderJob, RQJobContext, record_error
-from worker.manifest import publish_manifests
+from worker.lease import LeaseKeeper, Outcome, worker_connection
+from worker.publisher import STATE_INTERVAL_S, RecordPublisher, StatePublisher, announce
 from worker.pulse import REDIS_ERRORS, Pulse
 from worker.render import Renderer
-from worker.timings import FitTracker, TimingRecord
-from worker.webhooks import Dispatcher, parse_targets
+from worker.webhooks import Dispatcher
 
+# Importers of worker.queue find these here as before (tests, worker/serve.py).
+__all__ = [
+    "KilnWorker",
+    "RecordPublisher",
+    "RenderJob",
+    "TimeoutPenalty",
+    "make_worker",
+    "worker_connection",
+]
 log = logging.getLogger(__name__)
-WORKER_STATE_TTL_S = 60
-# The worker's published state, RQ's worker hash and the `rq suspend` check are refreshed this
-# often (their TTLs are 60 s and more), not around every job.
-STATE_INTERVAL_S = 10.0
-FIT_INTERVAL_S = 10.0
-Outcome = Literal["finished", "failed", "lost", "retried"]
-# A store outage (S3 5xx, a refused connection) puts the job back for later this many times,
-# after these many seconds, before it fails naming the cause.
-STORE_BACKOFF_S = (10, 30, 90)
-# A lease pushed less than (its TTL - this) ago cannot have been swept, even by a worker whose
-# clock runs this much ahead: no Redis round trip is needed to know it holds.
-LEASE_MARGIN_S = 5.0
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -132,57 +113,11 @@ class TimeoutPenalty(UnixSignalDeathPenalty):
         raise JobDeadlineExceeded(f"ran past its timeout of {self._timeout} s")
 
 
-def worker_connection(url: str) -> Redis:
-    """A connection that rides out a Redis restart: each command retries for about a minute.
-
-    redis-py's default (10 quick retries) gives up within seconds, and RQ's work loop quits on
-    the first error it does not expect, so a restart would otherwise take the worker down.
-    """
-    retry = RedisRetry(ExponentialBackoff(cap=2.0, base=0.1), retries=35)
-    return connect(
-        url,
-        retry=retry,
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=10,
-    )
-
-
-class RecordPublisher:
-    """The renderer's record listener in a worker: Prometheus counters now, and the model's
-    timing fit (fixed + per-step seconds, where clients read ETAs) queued on a pipeline the
-    worker already sends (flush): a size's first fit at once, later ones at most every
-    FIT_INTERVAL_S (fits move slowly; the rest go out with the worker's state)."""
-
-    def __init__(self) -> None:
-        self.fits = FitTracker()
-        self._changed: set[tuple[str, int, int]] = set()
-        self._written_at: dict[tuple[str, int, int], float] = {}
-        self._lock = threading.Lock()  # the render thread adds, the pulse thread may flush
-
-    def __call__(self, record: TimingRecord) -> None:
-        metrics.observe(record)
-        with self._lock:
-            key = self.fits.add(record)
-            if key is not None:
-                self._changed.add(key)
-
-    def flush(self, pipe: Any, everything: bool = False) -> None:
-        moment = time.monotonic()
-        with self._lock:
-            due = {
-                key
-                for key in self._changed
-                if everything or moment - self._written_at.get(key, -math.inf) >= FIT_INTERVAL_S
-            }
-            for key in due:
-                fit = self.fits.fit(key).model_dump_json()
-                pipe.hset(keys.FITS_KEY, keys.fit_field(*key), fit)
-                self._written_at[key] = moment
-            self._changed -= due
-
-
-class KilnWorker(SimpleWorker):
-    """One process per device; the pipeline stays resident across jobs (no fork per job)."""
+class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
+    """One process per device; the pipeline stays resident across jobs (no fork per job).
+    RQ's hooks are all here, in the order the module docstring tells; the round trips of the
+    job it holds are LeaseKeeper's (worker/lease.py), what it publishes StatePublisher's
+    (worker/publisher.py)."""
 
     job_class = RenderJob
     death_penalty_class = TimeoutPenalty
@@ -209,27 +144,12 @@ class KilnWorker(SimpleWorker):
         renderer.on_record = self.publisher
         self.job_timeout_s = job_timeout_s
         self.served = [q.name.removeprefix(keys.QUEUE_PREFIX) for q in self.queues]
-        self._running: Job | None = None
-        self._running_lock = threading.Lock()
+        self.init_lease()
         self._last_exception: BaseException | None = None
         self._pulse: Pulse | None = None
         self._holding_job = False
         # Set by a second SIGTERM/SIGINT: the running job stops at its next step and is re-queued.
         self.shutdown_now = threading.Event()
-        # Set by a stop-job command for the running job (a cancel), or by the Pulse thread
-        # finding its stop key.
-        self.cancelled = threading.Event()
-        # Set when the running job's lease is found lapsed and taken (execution.py).
-        self.lease_lost = threading.Event()
-        self._finisher = execution.Finisher(self.connection)
-        self._enqueue_due = self.connection.register_script(execution.ENQUEUE_DUE)
-        # Monotonic time until which the running job's lease surely holds (holds_lease).
-        self._lease_until = -math.inf
-        # RQ's counters in the worker hash (rq info, rq-exporter), written with the state beat.
-        self.done_jobs = 0
-        self.working_s = 0.0
-        # When Redis last came back after an outage (inf while it is away): see redis_unsettled.
-        self._redis_back_at = -math.inf
         self.fatal: FatalWorkerError | None = None  # why this worker must exit non-zero
         self._suspension_checked_at = float("-inf")
         self._published_resident: list[str] = []
@@ -304,21 +224,7 @@ class KilnWorker(SimpleWorker):
         if self.redis_unsettled():
             return
         for queue in self.queues:
-            if not queue.acquire_maintenance_lock():
-                continue
-            try:
-                quarantine.sweep(
-                    self.connection, queue.key, queue.started_job_registry.key, current_timestamp()
-                )
-                clean_registries(queue, self._exc_handlers)
-                clean_worker_registry(queue)
-                queue.intermediate_queue.cleanup(self, queue)
-            except REDIS_ERRORS:
-                raise
-            except Exception:
-                log.exception("clean-up of %s failed; carrying on", queue.name)
-            finally:
-                queue.release_maintenance_lock()
+            self.clean_queue(queue)
         self.last_cleaned_at = now()  # type: ignore[assignment]
 
     def reorder_queues(self, reference_queue: Queue) -> None:
@@ -360,34 +266,6 @@ class KilnWorker(SimpleWorker):
             self.execution = None
             self._state = WorkerStatus.IDLE
 
-    def _start(self, job: Job, queue: Queue) -> bool:
-        """Step 3, one round trip (worker/execution.py start): the job hash says started (RQ's
-        fields), the execution takes the job's lease until its heartbeat lapses, the job leaves
-        RQ's intermediate list, and its stop key is read (True: a cancel came while queued)."""
-        self.execution = held = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
-        self._state = WorkerStatus.BUSY
-        self.cancelled.clear()
-        self.lease_lost.clear()
-        with self._running_lock:  # from here a stop-job command for it is taken
-            self._running = job
-
-        def send() -> Any:
-            with self.connection.pipeline(transaction=False) as pipe:
-                execution.start(pipe, job, queue, held, self, self.heartbeat_ttl_s)
-                return pipe.execute()[-1]
-
-        try:
-            sent_at = time.monotonic()
-            stop_asked = self._retyped(job.id, send)
-            self._lease_until = sent_at + self.heartbeat_ttl_s
-        except BaseException:
-            # Redis gone for good (after the connection's minute of retries): the job stays in
-            # the intermediate list, where RQ's maintenance fails it, as with RQ's own start.
-            with self._running_lock:
-                self._running, self.execution = None, None
-            raise
-        return bool(stop_asked)
-
     def _perform(self, job: Job, queue: Queue) -> Outcome:
         """Step 4: the render under the job's deadline. "failed" when it raised (RQ's failure
         handling has then run, hooks in step 6), "lost" when the job is no longer this worker's
@@ -414,49 +292,6 @@ class KilnWorker(SimpleWorker):
             return "failed"
         job.ended_at = now()
         return "finished"
-
-    def _finish(self, job: Job, queue: Queue) -> bool:
-        """A success as RQ's readers see it (worker/execution.py), written only while this
-        execution holds the job; then the jobs that depend on it are enqueued, as RQ does.
-        False: the lease was lost and nothing was written."""
-        held = self.execution
-        assert held is not None
-        dependents = self._retyped(
-            job.id,
-            lambda: self._finisher(
-                job,
-                queue,
-                held,
-                self,
-                job.get_result_ttl(self.default_result_ttl),
-                held.created_at,
-                job.ended_at or now(),
-                self.heartbeat_ttl_s,
-            ),
-        )
-        if dependents is None:
-            return False
-        # RQ's worker counters, written with the state beat (publish_state).
-        self.done_jobs += 1
-        self.working_s += max(((job.ended_at or now()) - held.created_at).total_seconds(), 0.0)
-        if dependents:
-            queue.enqueue_dependents(job)
-        return True
-
-    def holds_lease(self) -> bool:
-        """Whether the running execution still holds its job. No command while its last push
-        landed recently enough that no sweep can have taken it (LEASE_MARGIN_S before it
-        lapses, for clocks that differ between hosts); else one, which pushes it again."""
-        job, held = self._running, self.execution
-        if job is None or held is None:
-            return True
-        if time.monotonic() < self._lease_until - LEASE_MARGIN_S:
-            return True
-        sent_at = time.monotonic()
-        if not execution.holds(self.connection, job, held, self.heartbeat_ttl_s):
-            return False
-        self._lease_until = sent_at + self.heartbeat_ttl_s
-        return True
 
     def render_job(self, ctx: RQJobContext) -> dict[str, Any]:
         """Step 4: RQ's call into kiln. The reason for a failure goes into the job's meta."""
@@ -498,50 +333,7 @@ class KilnWorker(SimpleWorker):
             self._stop_requested = True
         super().handle_job_failure(job, queue, started_job_registry, exc_string)
 
-    def _requeue(self, job: Job, queue: Queue) -> None:
-        """Back to the front of its queue, as if never started: it was stopped, not broken."""
-        job.started_at = job.ended_at = None
-        with self.connection.pipeline() as pipe:
-            self.cleanup_execution(job, pipeline=pipe)
-            queue._enqueue_job(job, pipeline=pipe, at_front=True)
-            pipe.execute()
-        log.warning("job %s stopped by shutdown and re-queued on %s", job.id, queue.name)
-
     # -- heartbeats, state, recovery (called from the pulse thread) -----------------------------
-
-    def maintain_running_job(self, look_for_stop: bool = True) -> bool:
-        """One round trip: push the running job's entry in the started registry past the next
-        beat and, with look_for_stop, read its stop key (a cancel normally arrives at once as
-        RQ's stop-job command; this catches one sent while the pub/sub connection was down).
-        True when Redis took it (or nothing is running)."""
-        with self._running_lock:
-            job, held = self._running, self.execution
-            if job is None or held is None:
-                return True
-            try:
-                sent_at = time.monotonic()
-                with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
-                    execution.push_lease(pipe, job, held, self.heartbeat_ttl_s)
-                    if look_for_stop:
-                        pipe.exists(keys.stop_key(job.id))
-                    pushed, *stop_asked = pipe.execute()
-                if pushed:
-                    self._lease_until = sent_at + self.heartbeat_ttl_s
-            except ResponseError as exc:
-                if not quarantine.wrong_type(exc) or not self.repair_keys(job.id):
-                    raise
-                # The registry a client retyped is gone with every lease in it: take ours again.
-                self.connection.zadd(
-                    job.started_job_registry.key,
-                    {held.composite_key: execution.lease_score(self.heartbeat_ttl_s)},
-                )
-                return True
-            if not pushed and not self.lease_lost.is_set():
-                log.warning("job %s: %s", job.id, LEASE_LOST)
-                self.lease_lost.set()  # the render stops at its next step or phase
-            if any(stop_asked):
-                self.cancelled.set()
-        return True
 
     def get_current_job_id(self, pipeline: Any = None) -> str | None:
         # RQ reads this from its worker hash, which kiln does not write per job.
@@ -577,117 +369,6 @@ class KilnWorker(SimpleWorker):
         no horse, and stops its render through `cancelled`."""
         self.cancelled.set()
 
-    def recover_abandoned(self) -> None:
-        """Jobs whose worker stopped heartbeating go back to their queue (if retries are left),
-        and jobs put back for later whose time has come too. Two commands a queue when neither
-        is due, which is nearly always."""
-        if self.redis_unsettled():
-            return
-        stamp = current_timestamp()
-        found = self._retyped(None, partial(self._due, stamp))
-        if self.redis_unsettled():  # that read waited out an outage: every lease looks lapsed
-            return
-        for queue, (_, later) in zip(self.queues, found, strict=True):
-            if later:
-                self._enqueue_due(
-                    keys=[queue.scheduled_job_registry.key, queue.key],
-                    args=[stamp, Job.redis_job_namespace_prefix],
-                )
-        lapsed = [queue for queue, (due, _) in zip(self.queues, found, strict=True) if due]
-        for queue in lapsed:
-            # RQ's own lock: two sweepers would each re-queue the same job.
-            if not queue.acquire_maintenance_lock():
-                continue
-            try:
-                registry = StartedJobRegistry(
-                    queue.name,
-                    connection=self.connection,
-                    job_class=RenderJob,
-                    serializer=self.serializer,
-                )
-                quarantine.sweep(self.connection, queue.key, registry.key, stamp)
-                registry.cleanup(stamp)
-            finally:
-                queue.release_maintenance_lock()
-
-    def _due(self, stamp: float) -> list[tuple[Any, Any]]:
-        """Per queue: a lapsed lease, if any; a job put back for later and due, if any."""
-        with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
-            for queue in self.queues:
-                pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
-                pipe.zrangebyscore(queue.scheduled_job_registry.key, 0, stamp, start=0, num=1)
-            found = pipe.execute()
-        return list(zip(found[::2], found[1::2], strict=True))
-
-    def _retry_later(self, job: Job, queue: Queue, exc: StoreUnavailable) -> bool:
-        """A store outage that may heal: the job goes back for later, after STORE_BACKOFF_S[n]
-        seconds for its n-th time (the sweep moves it to the front of its queue then); False
-        once it has had them all, and it fails naming the cause."""
-        tries = int(job.meta.get("store_retries") or 0)
-        if tries >= len(STORE_BACKOFF_S):
-            message = f"the store stayed unavailable through {tries} retries: {exc.cause}"
-            record_error(job, "StoreUnavailable", message)
-            return False
-        delay = STORE_BACKOFF_S[tries]
-        job.meta["store_retries"] = tries + 1
-        with self.connection.pipeline() as pipe:
-            self.cleanup_execution(job, pipeline=pipe)
-            # Saves the job whole (its meta with the count too), status scheduled.
-            queue.schedule_job(job, now() + timedelta(seconds=delay), pipeline=pipe)
-            pipe.execute()
-        log.warning(
-            "job %s: the store is unavailable (%s); retry %d of %d in %d s",
-            job.id,
-            exc.cause,
-            tries + 1,
-            len(STORE_BACKOFF_S),
-            delay,
-        )
-        return True
-
-    def repair_keys(self, job_id: str | None = None) -> list[str]:
-        """Move aside this worker's keys (and job_id's) that a client overwrote with another
-        type (worker/keytypes.py); the keys moved."""
-        expected = keytypes.shared([q.name for q in self.queues], self.key)
-        if job_id is not None:
-            expected |= keytypes.of_job(job_id)
-        return quarantine.repair_types(self.connection, expected)
-
-    def _retyped(self, job_id: str | None, call: Callable[[], Any]) -> Any:
-        """call(), and once more if it met a key of the wrong type that was then moved aside."""
-        try:
-            return call()
-        except ResponseError as exc:
-            if not quarantine.wrong_type(exc) or not self.repair_keys(job_id):
-                raise
-        return call()
-
-    @contextmanager
-    def _watching_redis(self) -> Iterator[None]:
-        """Notes when Redis was away: a command that failed, or one that took longer than a
-        beat (the connection retries through an outage of up to a minute)."""
-        began = time.monotonic()
-        try:
-            yield
-        except REDIS_ERRORS:
-            self._redis_back_at = math.inf
-            raise
-        if self._redis_back_at == math.inf or time.monotonic() - began > self.heartbeat_interval_s:
-            self._redis_back_at = time.monotonic()
-
-    def redis_unsettled(self) -> bool:
-        """Redis is away, or came back less than a lease ago (the Pulse's watch of the
-        connection's retries, or a command that took longer than a beat). Every running job's
-        lease may have lapsed while no worker could push it: they are not abandoned, and their
-        workers push them within a beat. Sweeping now would re-queue every running job."""
-        back_at = self._redis_back_at
-        watch = self._pulse.redis if self._pulse is not None else None
-        if watch is not None:
-            if watch.lost_at is not None:
-                return True
-            back_at = max(back_at, watch.regained_at)
-        return time.monotonic() - back_at < self.heartbeat_ttl_s
-
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's loop calls this around every dequeue: here it only stops the loop when asked to.
         The worker's hash is kept alive by the Pulse thread (publish_state), not once a job."""
@@ -706,108 +387,6 @@ class KilnWorker(SimpleWorker):
     def set_state(self, state: str, pipeline: Any = None) -> None:
         # Busy/idle change twice a job; they reach Redis with the next publish_state.
         self._state = state
-
-    def publish_state(self, conn: Any = None, sweep: bool = True) -> None:
-        """The worker's state for clients (models, resident, busy or idle), RQ's worker hash
-        heartbeat and timing fits not yet written: every STATE_INTERVAL_S from the Pulse thread,
-        and after a job that changed what is resident. sweep also drops the names of
-        long-silent workers."""
-        pipe = conn if conn is not None else self.connection.pipeline(transaction=False)
-        moment = time.time()
-        resident = self.renderer.cache.model_ids()
-        running = self.get_current_job_id()
-        state = WorkerState(
-            name=self.name,
-            models=self.served,
-            resident=resident,
-            device=self.renderer.info.torch_device,
-            device_name=self.renderer.info.name,
-            state=str(self.get_state()),
-            heartbeat=moment,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            profile=self.renderer.info.simulated,
-            rungs=self.renderer.cache.rungs(),
-            running=running,
-            jobs_done=self.done_jobs,
-            free_bytes=dev.free_bytes(self.renderer.info),
-        )
-        pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
-        pipe.zadd(keys.WORKERS_KEY, {self.name: moment})
-        if sweep:  # workers killed without a goodbye leave their name behind
-            pipe.zremrangebyscore(keys.WORKERS_KEY, 0, moment - WORKER_STATE_TTL_S)
-        self.last_heartbeat = now()
-        pipe.hset(
-            self.key,
-            mapping={
-                "last_heartbeat": utcformat(self.last_heartbeat),
-                "state": state.state,
-                "successful_job_count": self.done_jobs,
-                "total_working_time": self.working_s,
-                **({"current_job": running} if running else {}),
-            },
-        )
-        if not running:
-            pipe.hdel(self.key, "current_job")
-        pipe.expire(self.key, self.worker_ttl + 60)
-        self.publisher.flush(pipe, everything=True)
-        self._published_resident = resident
-        if conn is None:
-            self._retyped(None, pipe.execute)
-
-    def _after_job(
-        self, job: Job, queue: Queue, outcome: Outcome, record: TimingRecord | None
-    ) -> None:
-        """Step 7: a success as RQ records it, only while the lease holds (_finish, one script),
-        and then the job's one record; then in one round trip the model's timing fit, the
-        worker's state when what is resident changed, and the job's last events (the end one
-        wakes the client); then the job's webhook, sent from a background thread."""
-        renderer = self.renderer
-        metrics.observe_resident(renderer.cache.rungs(), dev.allocated_bytes(renderer.info))
-        end = None
-        try:
-            if outcome == "finished" and not self._finish(job, queue):
-                outcome = "lost"
-                log.warning("job %s: %s", job.id, LEASE_LOST)
-            if record is not None and outcome == "finished":
-                renderer.publish(record)  # committed: no crash from here can make a second one
-                record = None
-            with self.connection.pipeline(transaction=False) as pipe:
-                self.publisher.flush(pipe)
-                if renderer.cache.model_ids() != self._published_resident:
-                    self.publish_state(pipe, sweep=False)
-                # A lost job's events are the other worker's to write: this one's are dropped.
-                end = self._end_events(job, pipe if outcome != "lost" else None)
-                pipe.execute()
-        except REDIS_ERRORS as exc:
-            # A success not committed is re-run once its lease lapses: answered from the store,
-            # not rendered again (worker/render.py step 2), and recorded by that worker.
-            log.warning("could not record the end of job %s: %s", job.id, exc)
-        except ResponseError as exc:
-            # A key retyped by a client: moved aside, the job's last events are lost (its status
-            # is written), and the next job finds its keys in order.
-            if not quarantine.wrong_type(exc):
-                raise
-            log.warning("job %s: its last events were not written: %s", job.id, exc)
-            self.repair_keys(job.id)
-        if record is not None and outcome == "lost":
-            record.status, record.error = "stopped", f"job {job.id}: {LEASE_LOST}"
-            renderer.publish(record)
-        if end is not None and end[1] is not None:
-            self.webhooks.send(end[1], end[0])
-
-    def _end_events(self, job: Job, pipe: Any) -> Any:
-        """The job's last events, in the same round trip as the state published after it; with
-        no pipe the journal is closed and its events dropped."""
-        if pipe is None:
-            with self.connection.pipeline(transaction=False) as scratch:  # never sent
-                job_events.close_journal(self.connection, scratch, job.id, job.origin, "", None)
-            return None
-        status = job.get_status(refresh=False)
-        error = (job.meta.get("error") or {}).get("message")
-        return job_events.close_journal(
-            self.connection, pipe, job.id, job.origin, str(getattr(status, "value", status)), error
-        )
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -834,38 +413,24 @@ class KilnWorker(SimpleWorker):
     def teardown(self) -> None:
         try:
             super().teardown()  # type: ignore[no-untyped-call]
-            with self.connection.pipeline(transaction=False) as pipe:
-                self.publisher.flush(pipe, everything=True)
-                pipe.delete(keys.worker_key(self.name))
-                pipe.zrem(keys.WORKERS_KEY, self.name)
-                pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("could not withdraw worker state: %s", exc)
+            return
+        self.withdraw_state()
 
 
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
     """A worker named as its renderer, listening on the queues of the models it serves."""
-    # A key a client retyped would crash this worker at every start: moved aside first.
     job_events.set_retention(renderer.settings.events_retention_s)
     names = [keys.queue_name(m) for m in models]
+    # A key a client retyped would crash this worker at every start: moved aside first.
     quarantine.repair_types(connection, keytypes.shared(names, f"rq:worker:{renderer.worker_name}"))
-    publish_manifests(connection, {m: renderer.manifests[m] for m in models})
-    # Where `rq info` and RQ's Queue.all() find queues (kiln's client does not register them).
-    connection.sadd(Queue.redis_queues_keys, *[f"rq:queue:{keys.queue_name(m)}" for m in models])
-    # Names only (never URLs or secrets): clients check a request's webhook against them.
-    targets = sorted(parse_targets(renderer.settings.webhooks))
-    if targets:
-        connection.sadd(keys.WEBHOOK_TARGETS_KEY, *targets)
+    announce(connection, renderer, models, names)
     # The queues carry RenderJob too: RQ's registry cleanups fetch jobs through queue.job_class,
     # and a plain Job there would import and run a payload's failure callback.
     queues = [
-        Queue(
-            keys.queue_name(m),
-            connection=connection,
-            serializer=JSONSerializer,
-            job_class=RenderJob,
-        )
-        for m in models
+        Queue(name, connection=connection, serializer=JSONSerializer, job_class=RenderJob)
+        for name in names
     ]
     return KilnWorker(
         queues,

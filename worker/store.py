@@ -12,6 +12,9 @@ a stop, a failure after a preview). A finished job keeps all its files, its last
 uri its last preview event named). Failures that heal (S3 5xx, throttling, a refused or timed-out
 connection) raise StoreUnavailable, so the queue can run the job again later; the rest raise
 StoreError (S3) or OutputError (a directory) and fail the job at once.
+
+Over 300 lines because the local and S3 stores keep the same invariants side by side, and S3's
+error handling (which failures heal, which name the bucket) is read next to the calls it guards.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ first: a receiver that hangs (TIMEOUT_S a try) or keeps failing delays only its 
 Deliveries wait in memory; a worker that is killed loses the ones not yet delivered. Job ends
 that happen outside a render (a client's cancel, an abandoned job, a quarantine) reach the
 senders through the Redis outbox (drain_outbox).
+
+Over 300 lines because the targets' grammar, the signing and the senders with their retries are
+one delivery contract (Standard Webhooks), read together.
 """
 
 from __future__ import annotations
