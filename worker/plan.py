@@ -1,8 +1,8 @@
 """What a card would do with each manifest, decided without loading a weight: the rung, the
 dtype, each switch and quantize scheme, with reasons, and whether the model can run there at
-all. `kiln doctor --profile NAME` prints it; it follows the same rules as a real load
-(worker.loading, worker.switches), and tests/test_plan.py holds the two to each other on the tiny
-models."""
+all. `kiln doctor --profile NAME` prints it. The rules are the load's own, called here:
+choose_dtype and fit_for (worker.loading), decide_switches and compile_plan (worker.switches);
+tests/test_profiles.py holds a plan to a real load on the tiny models."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from api_client.manifest import Manifest
 from api_client.schema import Rung
 from worker.compile import compile_available
 from worker.device import DeviceInfo
-from worker.families import spec_of
+from worker.errors import CompileRequired
 from worker.ladder import pick_rung, rung_need_gb
 from worker.loading import choose_dtype, fit_for
 from worker.quantize import pick_schemes
 from worker.resident import DTYPE_NAMES
 from worker.settings import Settings
+from worker.switches import compile_plan, decide_switches, switch
 
 Kind = Literal["applied", "skipped"]
 
@@ -78,32 +79,20 @@ def plan_model(
     if fit.fp32:
         plan.rung_reason += "; fp32 weights: twice the 16-bit figures"
     _switches(plan, manifest, info, settings)
-    quantize_off = _switch(manifest, settings, "quantize") == "off"
+    quantize_off = switch(manifest, settings, "quantize") == "off"
     for component, pick in pick_schemes(manifest, info).items():
         plan.quantize[component] = None if quantize_off else pick.scheme
         plan.quantize_reasons[component] = "switched off" if quantize_off else pick.reason
     return plan
 
 
-def _switch(manifest: Manifest, settings: Settings, name: str) -> str:
-    value: str = manifest.optimizations.get(name, getattr(settings, name))  # type: ignore[call-overload]
-    return value
-
-
 def _switches(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: Settings) -> None:
+    """The load's own rules (worker.switches) at the planned rung, plus what placement and the
+    VAE add there."""
     add = plan.switches.append
-    conv_unet = spec_of(manifest.family).denoiser == "unet"
-    channels_last = _switch(manifest, settings, "channels_last")
-    if channels_last == "on" or (channels_last == "auto" and info.accelerator and conv_unet):
-        add(("applied", "channels_last", "denoiser in channels_last layout"))
-    else:
-        why = "not a conv UNet" if info.accelerator else "CPU: no measured gain"
-        add(("skipped", "channels_last", why if channels_last == "auto" else "switched off"))
-    tiling = _switch(manifest, settings, "vae_tiling")
-    if tiling == "on" or (tiling == "auto" and plan.rung != "full"):
-        add(("applied", "vae_tiling", f"offload rung {plan.rung}" if tiling == "auto" else "on"))
-    else:
-        add(("skipped", "vae_tiling", "fully resident, decode fits" if tiling == "auto" else "off"))
+    decided = decide_switches(manifest, plan.rung, info, settings)
+    for name in ("channels_last", "vae_tiling"):
+        add((decided[name].kind, name, decided[name].reason))
     if manifest.family == "sdxl" and plan.dtype == "fp16":
         if manifest.vae is None:
             add(("applied", "vae_upcast", "stock SDXL VAE overflows in fp16: fp32 from load"))
@@ -113,31 +102,26 @@ def _switches(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: S
         streams = "stream prefetch" if info.streams else "no copy streams: synchronous onload"
         add(("applied", "group_offload", f"leaf level, {streams}"))
     _compile(plan, manifest, info, settings)
-    if manifest.taesd is not None and _switch(manifest, settings, "taesd_preview") != "off":
-        add(("applied", "taesd_preview", f"TAESD {manifest.taesd}"))
+    if decided["taesd_preview"].kind == "applied":
+        add(("applied", "taesd_preview", decided["taesd_preview"].reason))
 
 
 def _compile(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: Settings) -> None:
-    switch = manifest.optimizations.get("compile", settings.compile)
-    required = manifest.compile == "required" and plan.rung == "full"
-    if manifest.compile == "off" or (switch == "off" and not required):
-        plan.switches.append(("skipped", "compile", "switched off"))
+    """compile_plan as the card would decide it, then whether this stack can compile at all."""
+    try:
+        decision = compile_plan(manifest, plan.rung, info, settings, as_card=True)
+    except CompileRequired as exc:
+        plan.problems.append(str(exc))
         return
-    if plan.rung != "full":
-        plan.switches.append(("skipped", "compile", f"offload hooks conflict at {plan.rung}"))
-        return
-    if switch == "off":
-        plan.problems.append("compile is required when fully resident, but KILN_COMPILE=off")
-        return
-    if switch == "auto" and not required and not info.compile_default:
-        plan.switches.append(("skipped", "compile", f"auto: off on {info.backend}"))
+    if not decision.compile:
+        plan.switches.append(("skipped", "compile", decision.reason))
         return
     missing = compile_available()
     if missing is not None:
-        if required:
+        if decision.must:
             plan.problems.append(f"compile is required and unavailable: {missing}")
         else:
             plan.switches.append(("skipped", "compile", f"unavailable: {missing}"))
         return
-    how = "required by the manifest" if required else f"{switch}: at the full rung"
+    how = "required by the manifest" if decision.must else "at the full rung"
     plan.switches.append(("applied", "compile", how))

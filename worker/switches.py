@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
 import torch
 
@@ -27,14 +29,81 @@ def switch(manifest: Manifest, settings: Settings, name: SwitchName) -> Switch:
     return manifest.optimizations.get(name, settings.switch(name))
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What a load does with one switch, and why: "applied" means it will act (a preview's
+    weights may still fail to load: then the load reports it skipped, with that reason)."""
+
+    kind: Literal["applied", "skipped"]
+    reason: str
+
+
+def decide_switches(
+    manifest: Manifest, rung: Rung, info: DeviceInfo, settings: Settings
+) -> dict[str, Decision]:
+    """The rules for sdpa, channels_last, attention_slicing, vae_tiling and taesd_preview at
+    this rung on info's card, without loading a weight: a load applies them (apply_switches)
+    and `kiln doctor --profile` prints them (worker/plan.py). Compile is compile_plan's."""
+    value = partial(switch, manifest, settings)
+    spec = spec_of(manifest.family)
+    decided = {
+        "sdpa": Decision("applied", "torch scaled_dot_product_attention (diffusers default)")
+    }
+    if value("sdpa") == "off":
+        decided["sdpa"] = Decision("skipped", "switched off: classic attention processor")
+    # The family names its denoiser: SD3's is a transformer and its pipeline has no unet at all.
+    layout = value("channels_last")
+    if layout == "on" or (layout == "auto" and info.accelerator and spec.denoiser == "unet"):
+        decided["channels_last"] = Decision("applied", "denoiser in channels_last layout")
+    else:
+        why = "not a conv UNet" if info.accelerator else "CPU: no measured gain"
+        decided["channels_last"] = Decision(
+            "skipped", f"auto: {why}" if layout == "auto" else "switched off"
+        )
+    decided["attention_slicing"] = (
+        Decision("applied", "switched on")
+        if value("attention_slicing") == "on"
+        else Decision("skipped", "SDPA is already memory-efficient; slicing only slows it")
+    )
+    tiling = value("vae_tiling")
+    if tiling == "on" or (tiling == "auto" and rung != "full"):
+        why = "switched on" if tiling == "on" else f"auto: offload rung {rung}"
+        decided["vae_tiling"] = Decision("applied", why)
+    else:
+        why = "switched off" if tiling == "off" else "auto: fully resident, decode fits"
+        decided["vae_tiling"] = Decision("skipped", why)
+    decided["taesd_preview"] = _preview_decision(manifest, value("taesd_preview"))
+    return decided
+
+
+def _preview_decision(manifest: Manifest, value: Switch) -> Decision:
+    if value == "off":
+        return Decision("skipped", "switched off")
+    if manifest.taesd is None:
+        return Decision("skipped", "the manifest names no taesd weights")
+    if not spec_of(manifest.family).previews:
+        why = f"{manifest.family} packs its latents into patch tokens while denoising"
+        return Decision("skipped", f"{why}; kiln decodes no preview from them")
+    return Decision("applied", f"TAESD {manifest.taesd}: a preview each quarter of the steps")
+
+
 def apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
-    """Everything that acts on the pipeline before placement, in this order."""
+    """Everything that acts on the pipeline before placement, in this order, as decided."""
+    decided = decide_switches(loaded.manifest, loaded.rung, info, settings)
     _quantize(loaded, info, settings)
-    _sdpa(loaded, settings)
-    _channels_last(loaded, info, settings)
-    _attention_slicing(loaded, settings)
-    _vae_tiling(loaded, settings)
-    _taesd_preview(loaded, info, settings)
+    if decided["sdpa"].kind == "skipped":  # switched off: diffusers' classic processor
+        from diffusers.models.attention_processor import AttnProcessor
+
+        loaded.denoiser.set_attn_processor(AttnProcessor())  # type: ignore[operator]
+    if decided["channels_last"].kind == "applied":
+        loaded.denoiser.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    if decided["attention_slicing"].kind == "applied":
+        loaded.pipe.enable_attention_slicing()
+    if decided["vae_tiling"].kind == "applied":
+        loaded.pipe.vae.enable_tiling()
+    for name in ("sdpa", "channels_last", "attention_slicing", "vae_tiling"):
+        loaded.settings.add(decided[name].kind, name, decided[name].reason)
+    _taesd_preview(loaded, info, settings, decided["taesd_preview"])
 
 
 def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
@@ -65,71 +134,16 @@ def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> N
             report.add("skipped", f"quantize:{component}", refused or pick.reason)
 
 
-def _sdpa(loaded: LoadedPipeline, settings: Settings) -> None:
-    if switch(loaded.manifest, settings, "sdpa") == "off":
-        from diffusers.models.attention_processor import AttnProcessor
-
-        loaded.denoiser.set_attn_processor(AttnProcessor())  # type: ignore[operator]
-        loaded.settings.add("skipped", "sdpa", "switched off: classic attention processor")
-    else:
-        loaded.settings.add(
-            "applied", "sdpa", "torch scaled_dot_product_attention (diffusers default)"
-        )
-
-
-def _channels_last(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
-    value, report = switch(loaded.manifest, settings, "channels_last"), loaded.settings
-    denoiser = loaded.denoiser
-    # The family names its denoiser: SD3's is a transformer and its pipeline has no unet at all.
-    conv_unet = spec_of(loaded.manifest.family).denoiser == "unet"
-    if value == "on" or (value == "auto" and info.accelerator and conv_unet):
-        denoiser.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        report.add("applied", "channels_last", "denoiser in channels_last layout")
-    elif value == "auto":
-        why = "not a conv UNet" if info.accelerator else "CPU: no measured gain"
-        report.add("skipped", "channels_last", f"auto: {why}")
-    else:
-        report.add("skipped", "channels_last", "switched off")
-
-
-def _attention_slicing(loaded: LoadedPipeline, settings: Settings) -> None:
-    if switch(loaded.manifest, settings, "attention_slicing") == "on":
-        loaded.pipe.enable_attention_slicing()
-        loaded.settings.add("applied", "attention_slicing", "switched on")
-    else:
-        loaded.settings.add(
-            "skipped",
-            "attention_slicing",
-            "SDPA is already memory-efficient; slicing only slows it",
-        )
-
-
-def _vae_tiling(loaded: LoadedPipeline, settings: Settings) -> None:
-    value, rung = switch(loaded.manifest, settings, "vae_tiling"), loaded.rung
-    if value == "on" or (value == "auto" and rung != "full"):
-        loaded.pipe.vae.enable_tiling()
-        why = "switched on" if value == "on" else f"auto: offload rung {rung}"
-        loaded.settings.add("applied", "vae_tiling", why)
-    else:
-        why = "switched off" if value == "off" else "auto: fully resident, decode fits"
-        loaded.settings.add("skipped", "vae_tiling", why)
-
-
-def _taesd_preview(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+def _taesd_preview(
+    loaded: LoadedPipeline, info: DeviceInfo, settings: Settings, decision: Decision
+) -> None:
     """TAESD decodes a latent in milliseconds: a preview a few times per job for the client.
 
     A preview is a convenience: if its weights cannot be loaded the job goes on without one.
     """
     manifest, report = loaded.manifest, loaded.settings
-    if switch(manifest, settings, "taesd_preview") == "off":
-        report.add("skipped", "taesd_preview", "switched off")
-        return
-    if manifest.taesd is None:
-        report.add("skipped", "taesd_preview", "the manifest names no taesd weights")
-        return
-    if not spec_of(manifest.family).previews:
-        why = f"{manifest.family} packs its latents into patch tokens while denoising"
-        report.add("skipped", "taesd_preview", f"{why}; kiln decodes no preview from them")
+    if decision.kind == "skipped" or manifest.taesd is None:
+        report.add("skipped", "taesd_preview", decision.reason)
         return
     from diffusers import AutoencoderTiny
 
@@ -141,9 +155,7 @@ def _taesd_preview(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings)
         return
     # A few MB: it stays on the device at every rung, so previews never wait for an offload.
     loaded.preview_vae = taesd.to(info.torch_device).eval()
-    report.add(
-        "applied", "taesd_preview", f"TAESD {manifest.taesd}: a preview each quarter of the steps"
-    )
+    report.add("applied", "taesd_preview", decision.reason)
 
 
 def preview_steps(steps: int) -> set[int]:
@@ -163,11 +175,17 @@ class CompilePlan:
 
 
 def compile_plan(
-    manifest: Manifest, rung: Rung, info: DeviceInfo, settings: Settings, pin: bool | None = None
+    manifest: Manifest,
+    rung: Rung,
+    info: DeviceInfo,
+    settings: Settings,
+    pin: bool | None = None,
+    as_card: bool = False,
 ) -> CompilePlan:
     """The compile decision for a load at this rung, without loading anything: the request's pin
     (a replay's) when it has one, else the manifest's policy over the compile switch. A pin
-    this worker cannot honour raises PinRefused naming why."""
+    this worker cannot honour raises PinRefused naming why. A simulated card (KILN_DEVICE_PROFILE)
+    does not compile on this CPU; as_card decides as the card itself would (`doctor --profile`)."""
     if pin is not None:
         return _pinned_plan(manifest, rung, settings, pin)
     policy, value = manifest.compile, switch(manifest, settings, "compile")
@@ -186,7 +204,8 @@ def compile_plan(
         return CompilePlan(False, "switched off")
     if value == "auto" and not required and not info.compile_default:
         return CompilePlan(False, "auto: off on CPU (tiny UNet: 76 s compile to save ~8 ms a step)")
-    if value == "auto" and not required and info.simulated and info.torch_device == "cpu":
+    simulated_here = info.simulated and info.torch_device == "cpu" and not as_card
+    if value == "auto" and not required and simulated_here:
         return CompilePlan(
             False,
             f"auto: {info.simulated} would compile at full; not run on the real device (cpu),"
