@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -11,16 +12,14 @@ from rich.table import Table
 
 from api_client import KilnJob, ModelInfo, RenderResult
 from api_client.errors import JobTimeout
+from api_client.events import BLOCK_SLICE_S
 from api_client.schema import PHASES
 
 console = Console(stderr=True)
 
 
-def wait_with_progress(
-    job: KilnJob, timeout: float, quiet: bool = False, poll: float = 0.1
-) -> RenderResult:
-    """Poll the job; draw {phase, step/steps} as a bar on stderr unless quiet."""
-    deadline = time.monotonic() + timeout
+def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False) -> RenderResult:
+    """Follow the job's events; draw {phase, step/steps} as a bar on stderr unless quiet."""
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -31,21 +30,39 @@ def wait_with_progress(
         transient=True,
     ) as bar:
         task = bar.add_task(f"{job.id[:8]} queued", total=None)
-        while True:
-            result = job.result()
-            if result is not None:
-                return result
-            progress = job.progress()
-            if progress is not None:
-                bar.update(
-                    task,
-                    description=f"{job.id[:8]} {progress.phase}",
-                    completed=progress.step,
-                    total=progress.steps or None,
-                )
-            if time.monotonic() >= deadline:
-                raise JobTimeout(f"job {job.id} still {job.status()} after {timeout:.0f} s")
-            time.sleep(poll)
+
+        def show(phase: str, step: int, steps: int | None) -> None:
+            bar.update(task, description=f"{job.id[:8]} {phase}", completed=step, total=steps)
+
+        return follow_job(job, timeout, show)
+
+
+def follow_job(
+    job: KilnJob, timeout: float, show: Callable[[str, int, int | None], None]
+) -> RenderResult:
+    """Show (phase, step, steps) from the job's event stream as its worker writes them (a
+    blocking XREAD, no polling of job.progress()) and return its result: the done event carries
+    it. A failed or stopped job raises RenderFailed with its worker's message. After every
+    BLOCK_SLICE_S without an event the job's status is read once, for jobs that end without one
+    (a record quarantined, a job deleted)."""
+    deadline, after = time.monotonic() + timeout, "0"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise JobTimeout(f"job {job.id} still {job.status()} after {timeout:.0f} s")
+        for event in job.events(after=after, timeout=min(remaining, BLOCK_SLICE_S)):
+            after = event.id or after
+            if event.kind == "done" and event.result is not None:
+                return event.result
+            if event.terminal:
+                break  # the job's record says why (RenderFailed below)
+            if event.kind == "queued":  # again, after a shutdown put it back
+                show("queued", 0, None)
+            elif event.phase is not None:
+                show(event.phase, event.step or 0, event.steps or None)
+        result = job.result()  # RenderFailed for a failed, stopped or canceled job
+        if result is not None:
+            return result
 
 
 def print_result(result: RenderResult) -> None:
