@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from api_client.errors import Problem, RequestRejected, short
+from api_client.loras import LoraSpec, check_lora_names, resolve_loras
 from api_client.schema import (
     MAX_IMAGES,
     MAX_PROMPT_CHARS,
@@ -73,11 +74,11 @@ FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
     **{f: ("txt2img", "img2img", "inpaint", "edit") for f in ("flux", "qwenimage")},
     "flux2": ("txt2img",),
 }
-TXT2IMG_ONLY: tuple[Mode, ...] = ("txt2img",)
 # edit is an edit model's own checkpoint (FLUX.1 Kontext, Qwen-Image-Edit) whose pipeline class is
 # the resident one, so a manifest that lists edit lists only what that pipeline renders: Kontext
 # also renders from a prompt alone; Qwen-Image-Edit's always reads an input image.
 EDIT_MODES: dict[str, tuple[Mode, ...]] = {"flux": ("txt2img", "edit"), "qwenimage": ("edit",)}
+TXT2IMG_ONLY: tuple[Mode, ...] = ("txt2img",)
 # How much of an input image img2img and inpaint re-noise unless the request says (A1111's
 # default denoising strength).
 DEFAULT_STRENGTH = 0.75
@@ -173,6 +174,13 @@ class Manifest(_Strict):
     # A replacement VAE (hub id or local directory), e.g. madebyollin/sdxl-vae-fp16-fix: an SDXL
     # VAE that does not overflow in fp16, so an fp16 card decodes without an fp32 upcast.
     vae: str | None = Field(default=None, min_length=1)
+    # Adapters a request may name, hot-swapped on the resident denoiser (worker.adapters).
+    loras: dict[str, LoraSpec] = Field(default_factory=dict)
+
+    @field_validator("loras")
+    @classmethod
+    def _lora_names(cls, loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:
+        return check_lora_names(loras)
 
     @field_validator("true_cfg")
     @classmethod
@@ -328,6 +336,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
         )
     problems += _pin_problems(request, manifest)
+    loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -338,6 +347,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             # txt2img stays unset, so a prompt-only request reads as it did before modes.
             "mode": None if mode == "txt2img" else mode,
             "strength": strength,
+            "loras": loras,
             "width": width,
             "height": height,
             "seed": seed,

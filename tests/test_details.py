@@ -99,7 +99,7 @@ def test_each_format_carries_the_details_of_its_job(
             quantized=result.quantized,
         )
         # Replayed, it is the job's own resolved request with its rung and compile pinned.
-        again = client.validate(details.replay_request(str(path)))
+        again = client.validate(details.replay_request())
         assert again == resolved.model_copy(update={"rung": "full", "compile": False})
 
 

@@ -142,22 +142,23 @@ def test_an_img2img_image_replays_from_its_upload(
     assert np.array_equal(pixels(original), pixels(again))
 
 
-def test_a_backend_with_only_the_client_submits_img2img_against_s3(
+def test_a_backend_with_only_the_client_submits_inputs_and_loras_against_s3(
     redis_conn: Redis, make_settings: Any, s3: Any, tmp_path: Path
 ) -> None:
-    """#17's done-means: another process, Redis only, uploads and submits; the worker's store
-    is S3 (a real S3-compatible server over the network)."""
+    """#17's done-means: another process, Redis only, uploads and submits img2img, inpaint and
+    a LoRA job; the worker's store is S3 (a real S3-compatible server over the network)."""
     from tests.s3server import BUCKET
     from worker.queue import make_worker
 
     settings = make_settings(**s3.store_settings())
     worker = make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
-    source = tmp_path / "source.png"
+    source, mask = tmp_path / "source.png", tmp_path / "mask.png"
     source.write_bytes(png())
+    mask.write_bytes(mask_png())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KILN_"))}
     argv = [sys.executable, "-m", "tests.remote_img2img", settings.redis_url, "tiny-sd15"]
     backend = subprocess.Popen(
-        [*argv, str(source), str(tmp_path / "backend")],
+        [*argv, str(source), str(mask), str(tmp_path / "backend")],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -165,7 +166,7 @@ def test_a_backend_with_only_the_client_submits_img2img_against_s3(
         text=True,
     )
     try:
-        wait_until(lambda: redis_conn.llen("rq:queue:kiln:tiny-sd15") == 1, 60, "queued")
+        wait_until(lambda: redis_conn.llen("rq:queue:kiln:tiny-sd15") == 3, 60, "queued")
         worker.work(burst=True)
         out, err = backend.communicate(timeout=120)
     finally:
@@ -173,9 +174,17 @@ def test_a_backend_with_only_the_client_submits_img2img_against_s3(
             backend.kill()
     assert backend.returncode == 0, err
     first, report = (json.loads(line) for line in out.strip().splitlines())
-    assert report["uris"] == [f"s3://{BUCKET}/renders/{first['job_id']}/0.png"]
+    assert report["uris"] == [f"s3://{BUCKET}/renders/{j}/0.png" for j in first["job_ids"]]
     assert report["modules"] == []  # no torch, no boto3 (Pillow checks the image: allowed)
-    [record] = records(settings.timings_log)
-    assert (record.status, record.mode) == ("done", "img2img")
-    with Image.open(report["paths"][0]) as shown:
-        assert shown.size == (128, 128)
+    done = [
+        (r.status, r.mode, [(x.name, x.weight) for x in r.loras])
+        for r in records(settings.timings_log)
+    ]
+    assert done == [
+        ("done", "img2img", []),
+        ("done", "inpaint", []),
+        ("done", "txt2img", [("detail", 0.9)]),
+    ]
+    for path in report["paths"]:
+        with Image.open(path) as shown:
+            assert shown.size == (128, 128)

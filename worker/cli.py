@@ -92,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--image", help="input image: a local file (uploaded) or a kiln-input: uri")
     submit.add_argument("--mask", help="inpaint mask (white: repaint), as --image")
     submit.add_argument("--strength", type=float, help="img2img/inpaint: 0-1, how much to repaint")
+    submit.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        type=_lora_flag,
+        metavar="NAME[:WEIGHT]",
+        help="an adapter the manifest allows, at its default weight or WEIGHT (repeatable)",
+    )
     submit.add_argument("--width", type=int)
     submit.add_argument("--height", type=int)
     submit.add_argument("--seed", type=int)
@@ -264,6 +272,15 @@ def _client() -> Any:
     return KilnClient.from_env()
 
 
+def _lora_flag(text: str) -> dict[str, Any]:
+    from api_client.loras import parse_lora_flag
+
+    try:
+        return parse_lora_flag(text).model_dump(exclude_none=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _submit(args: argparse.Namespace) -> int:
     from api_client import RequestRejected
     from api_client.schema import RenderRequest
@@ -293,7 +310,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     try:
         path = _local_image(args.image)
-        request = read_details(path).replay_request(str(path))
+        request = read_details(path).replay_request()
     except CannotReplay as exc:
         print(f"kiln replay: {exc}", file=sys.stderr)
         return 2

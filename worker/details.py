@@ -24,7 +24,7 @@ from PIL.PngImagePlugin import PngInfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_client.errors import short
-from api_client.schema import Mode, OutputFormat, RenderRequest, Rung
+from api_client.schema import LoraChoice, Mode, OutputFormat, RenderRequest, Rung
 from worker.errors import CannotReplay
 
 DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
@@ -81,16 +81,9 @@ class ImageDetails(BaseModel):
     mode: Mode = "txt2img"
     strength: float | None = None
 
-    def replay_request(self, where: str) -> RenderRequest:
+    def replay_request(self) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
-        pinned to the rung and compile state that made it. CannotReplay, naming where the
-        details came from, for what a request cannot carry yet."""
-        if self.loras:
-            carried = ", ".join(lora.name for lora in self.loras)
-            raise CannotReplay(
-                f"{where}: rendered with {carried}; requests take no LoRAs yet, so a replay would"
-                " not match (loras)"
-            )
+        pinned to the rung and compile state that made it, with its adapters at their weights."""
         # Inputs by their sha256: a replay finds them while the uploads live (KILN_INPUT_TTL_S);
         # the worker checks each one's sha256 on read.
         uploads = {i.field: f"kiln-input:{i.sha256}" for i in self.inputs}
@@ -99,6 +92,7 @@ class ImageDetails(BaseModel):
             image=uploads.get("image"),
             mask=uploads.get("mask"),
             strength=self.strength,
+            loras=[LoraChoice(name=x.name, weight=x.weight) for x in self.loras] or None,
             model=self.model,
             prompt=self.prompt,
             negative_prompt=self.negative_prompt,
@@ -155,7 +149,10 @@ def parameters_text(details: ImageDetails) -> str:
     if details.true_cfg is not None:
         fields.append(("True CFG scale", details.true_cfg))
     fields.append(("Version", f"kiln {details.kiln}"))
-    lines = [details.prompt]
+    # A1111 names each LoRA in the prompt as <lora:name:weight>; readers of its layout (Civitai,
+    # image browsers) find the adapters there.
+    tags = "".join(f" <lora:{lora.name}:{lora.weight:g}>" for lora in details.loras)
+    lines = [details.prompt + tags]
     if details.negative_prompt:
         lines.append(f"Negative prompt: {details.negative_prompt}")
     lines.append(", ".join(f"{key}: {value}" for key, value in fields))

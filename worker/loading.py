@@ -11,6 +11,7 @@ import torch
 from api_client.manifest import Manifest
 from api_client.schema import Rung, SettingsReport
 from worker import device as dev
+from worker.adapters import AdapterSlots
 from worker.device import DeviceInfo
 from worker.families import check_installed, spec_for, spec_of
 from worker.faults import FaultPlan
@@ -105,6 +106,7 @@ def load_pipeline(
     # 3. Scheduler, quantization, switches, placement, compile: each reports what it did.
     _set_scheduler(pipe, manifest)
     apply_switches(loaded, info, settings)
+    _prepare_adapters(loaded, settings)
     upcast_before_placement(loaded)
     _place(pipe, rung, info)
     apply_compile(loaded, info, settings)
@@ -112,6 +114,24 @@ def load_pipeline(
     loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
     loaded.load_s = time.perf_counter() - started
     return loaded
+
+
+def _prepare_adapters(loaded: LoadedPipeline, settings: Settings) -> None:
+    """LoRA slots after quantization (the adapters wrap quantized layers, never get quantized)
+    and before placement and compile (worker.adapters)."""
+    manifest = loaded.manifest
+    if not manifest.loras:
+        return
+    denoiser = spec_of(manifest.family).denoiser
+    slots = AdapterSlots.prepare(loaded.pipe, manifest, denoiser, settings.models_dir)
+    loaded.adapters = slots
+    ranks = ", ".join(f"{a.name} r{a.rank}" for a in slots.adapters.values())
+    loaded.settings.add(
+        "applied",
+        "loras",
+        f"{len(slots.names)} hot-swap slot(s) on the {denoiser} for {ranks}, padded to rank"
+        f" {max(s.max_rank for s in manifest.loras.values())}",
+    )
 
 
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {

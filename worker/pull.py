@@ -44,7 +44,7 @@ class Fetch:
 
 
 def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
-    """The hub repositories manifest needs (pipeline, vae, taesd); local sources must exist,
+    """The hub repositories manifest needs (pipeline, vae, taesd, loras); local sources must exist,
     else FileNotFoundError names the path and the command that builds it."""
     wanted: list[Fetch] = []
     source = weights_source(manifest, models_dir)
@@ -56,6 +56,11 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
         where = weights_source(manifest, models_dir, extra, marker="config.json")
         if not where.local:
             wanted.append(Fetch(manifest.id, extra, None, _VAE_FILES, marker="config.json"))
+    for lora in manifest.loras.values():
+        where = weights_source(manifest, models_dir, lora.source, marker=lora.weight_name)
+        if not where.local:
+            files = [lora.weight_name]
+            wanted.append(Fetch(manifest.id, lora.source, lora.revision, files, marker=files[0]))
     return wanted
 
 

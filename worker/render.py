@@ -25,9 +25,10 @@ from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
 from worker import device as dev
 from worker import output
+from worker.adapters import AdapterRefused
 from worker.compile import graphs_compiled
 from worker.context import JobContext
-from worker.details import ImageDetails, InputDigest, kiln_version
+from worker.details import ImageDetails, InputDigest, LoraWeight, kiln_version
 from worker.device import DeviceInfo
 from worker.errors import (
     FatalWorkerError,
@@ -319,7 +320,9 @@ class Renderer:
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
             size = (request.width or 0, request.height or 0)
-            novelty = loaded.novelty(*size, request.num_images, cfg, request.mode or "txt2img")
+            loras = self._apply_loras(loaded, request, watch, record)
+            mode = request.mode or "txt2img"
+            novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             try:
                 images = generate(
                     loaded,
@@ -341,11 +344,35 @@ class Renderer:
                 )
                 continue
             built = graphs_compiled() - graphs_before
+            loaded.adapter_sets.add(loras)
             if loaded.compiled and ran_before and built:
                 loaded.recompiles += built
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
             return images, loaded
+
+    def _apply_loras(
+        self, loaded: LoadedPipeline, request: RenderRequest, watch: Stopwatch, record: TimingRecord
+    ) -> frozenset[str]:
+        """The request's adapters into the pipeline's slots at their weights (the load phase:
+        it is the adapters' load), every slot the job does not use at 0."""
+        choices = request.loras or []
+        record.loras = list(choices)
+        slots = loaded.adapters
+        if slots is None:
+            if choices:  # the manifest allowed none, and resolve_request said so at submit
+                raise AdapterRefused(f"model {loaded.manifest.id}: this pipeline has no adapters")
+            return frozenset()
+        if choices and loaded.rung == "group_offload" and self.info.streams:
+            raise AdapterRefused(
+                f"model {loaded.manifest.id}: loras at rung group_offload with CUDA streams:"
+                " the offload keeps pinned copies of every weight, which a hotswap would not"
+                " reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on this card"
+            )
+        if slots.differs(choices):
+            with watch.phase("load"):
+                slots.apply(choices)
+        return frozenset(c.name for c in choices)
 
     def _make_room(self, manifest: Manifest, rung: Rung) -> None:
         """Evict least recently used pipelines until this rung's estimate fits."""
@@ -422,7 +449,9 @@ class Renderer:
             compiled=loaded.compiled,
             device=self.info.torch_device,
             quantized=dict(loaded.quantized),
-            loras=[],  # kiln takes no LoRAs yet (#17 item 3)
+            loras=[
+                LoraWeight(name=c.name, weight=float(c.weight or 0.0)) for c in request.loras or []
+            ],
             inputs=inputs,
             mode=request.mode or "txt2img",
             strength=request.strength,

@@ -15,6 +15,7 @@ import torch
 from api_client.manifest import Manifest
 from api_client.schema import Rung, SettingsReport
 from worker import device as dev
+from worker.adapters import AdapterSlots
 from worker.device import DeviceInfo
 from worker.families import spec_of
 
@@ -44,6 +45,8 @@ class LoadedPipeline:
     cfg_seen: set[bool] = field(default_factory=set)  # guidance on, off, or both, so far
     mode_pipes: dict[str, Any] = field(default_factory=dict)  # img2img, inpaint: from_pipe views
     modes_seen: set[str] = field(default_factory=set)
+    adapters: AdapterSlots | None = None  # LoRA slots, where the manifest allows loras
+    adapter_sets: set[frozenset[str]] = field(default_factory=set)  # LoRA sets run, so far
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
 
     @property
@@ -58,7 +61,15 @@ class LoadedPipeline:
         device: torch.device = self.pipe._execution_device
         return device
 
-    def novelty(self, width: int, height: int, count: int, cfg: bool, mode: str = "txt2img") -> str:
+    def novelty(
+        self,
+        width: int,
+        height: int,
+        count: int,
+        cfg: bool,
+        mode: str = "txt2img",
+        loras: frozenset[str] = frozenset(),
+    ) -> str:
         """What a job asks that no job before it on this pipeline did: why a compiled denoiser
         would build new graphs for it."""
         if self.modes_seen and mode not in self.modes_seen:
@@ -69,7 +80,9 @@ class LoadedPipeline:
             return f"new batch of {count} at {width}x{height}"
         if cfg not in self.cfg_seen:
             return f"guidance {'on' if cfg else 'off'} (CFG changes the denoiser's batch)"
-        return "no new size, batch or guidance: a guard on another input failed"
+        if self.adapter_sets and loras not in self.adapter_sets:
+            return f"new adapter set {', '.join(sorted(loras)) or '(none)'}"
+        return "no new size, batch, guidance, mode or adapters: a guard on another input failed"
 
     def pipe_for(self, mode: str) -> Any:
         """The pipeline that renders mode: the resident one for txt2img and for edit (an edit

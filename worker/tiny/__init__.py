@@ -24,6 +24,7 @@ from transformers.utils import logging as transformers_logging
 from worker.tiny.components import seeded, taesd
 from worker.tiny.flux import flux, flux_kontext
 from worker.tiny.flux2 import flux2
+from worker.tiny.lora import save_tiny_loras
 from worker.tiny.qwenimage import qwenimage
 from worker.tiny.sd import sd3, sd15, sdxl
 from worker.tiny.zimage import zimage
@@ -39,7 +40,8 @@ __all__ = [
 
 # Bump whenever a config, tokenizer or seed changes: existing builds are then replaced.
 # 2: a tiny TAESD in <pipeline>/taesd for previews. 3: flux, flux2, qwenimage and zimage.
-BUILDER_VERSION: Final = 3
+# 4: two tiny LoRAs in <pipeline>/loras (worker.tiny.lora).
+BUILDER_VERSION: Final = 4
 STAMP_FILE: Final = "kiln_tiny.json"
 
 _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
@@ -107,6 +109,7 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
             pipe.save_pretrained(tmp, safe_serialization=True)
             if family in TAESD_LATENTS:
                 _save_taesd(tmp / "taesd", family)
+            save_tiny_loras(pipe, tmp / "loras")
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         # A concurrent builder may have finished first; keep its copy so readers are not cut off.
