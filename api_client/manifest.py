@@ -457,7 +457,9 @@ def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Ma
     """The manifest a normal job may use, or RequestRejected naming the model."""
     manifest = manifests.get(request.model)
     if manifest is None:
-        known = ", ".join(sorted(manifests)) or "none published"
+        known = ", ".join(sorted(manifests)) or (
+            "none published (publish them with `kiln manifests publish`, or start a worker)"
+        )
         raise RequestRejected([Problem("model", request.model, f"unknown model; known: {known}")])
     if manifest.benchmark_only:
         raise RequestRejected(

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from worker import quiet
+
+    quiet.install()  # before any verb imports the stack: its harmless notices (worker/quiet.py)
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

@@ -16,6 +16,7 @@ from api_client.connection import connect
 from api_client.redact import redact
 from api_client.schema import Attempt, Rung, SettingsReport
 from worker import device as dev
+from worker import quiet
 from worker.compile import compile_available
 from worker.device import DeviceInfo
 from worker.errors import OutOfMemory
@@ -310,6 +311,10 @@ def _torchao(info: DeviceInfo) -> dict[str, str]:
             if failure is None
             else f"fails on {where} ({failure})"
         )
+    missing = quiet.torchao_missing()  # its import's notices, dropped from stderr, said once here
+    if missing:
+        loaded = f"{', '.join(missing)} (built for another Python or CUDA, or no Triton here)"
+        return {"version": version, "not loaded": loaded, **schemes}
     return {"version": version, **schemes}
 
 

@@ -10,7 +10,6 @@ field, never as extra lines).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Iterable, MutableMapping
 from typing import Any, TextIO
@@ -19,21 +18,13 @@ import structlog
 from structlog.typing import Processor
 
 from api_client.redact import redact
-
-# Import-time notices from the stack that say nothing about a job: torchao's CPU wheel lacking
-# its CUDA kernels, a torch deprecation note, diffusers' torchao serialization notice,
-# transformers' torchvision fallback. Real errors from these libraries still show.
-QUIET_LIBRARIES = (
-    "torchao",
-    "torch.utils._pytree",
-    "diffusers.quantizers.torchao.torchao_quantizer",
-)
+from worker import quiet
 
 
 def quiet_libraries() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    for name in QUIET_LIBRARIES:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """The stack's harmless import-time notices dropped one message at a time (worker/quiet.py
+    says which and why); everything else those libraries log still shows."""
+    quiet.install()
 
 
 class Redactor(logging.Filter):

@@ -12,7 +12,7 @@ import structlog
 
 from api_client.manifest import Manifest
 from api_client.redact import redact
-from worker import logs
+from worker import logs, quiet
 from worker.errors import InvalidFaults
 from worker.faults import FaultPlan
 from worker.settings import Settings
@@ -78,6 +78,8 @@ def serve(
         models=servable,
         device=info.torch_device,
         device_name=info.name,
+        # torchao's kernels that failed to load at import (worker/quiet.py kept them off stderr)
+        torchao_not_loaded=quiet.torchao_missing(),
         memory_mode=settings.memory_mode,
         free_gb=round(info.free_bytes / 1e9, 2),
         redis=redacted(settings.redis_url),
