@@ -35,14 +35,16 @@ def test_edits_render_through_a_worker_on_the_resident_pipeline(
     edited = client.submit({**BASE, "image": first})
     again = client.submit({**BASE, "image": first, "mode": "edit"})
     other = client.submit({**BASE, "image": second, "mode": "edit"})
+    # True CFG's second pass, on the negative prompt, runs in an edit as well.
+    steered = client.submit({**BASE, "image": first, "negative_prompt": "blurry", "true_cfg": 4.0})
     renderer = make_renderer(settings, [KONTEXT])
     burst(redis_conn, renderer, [KONTEXT])
     by_id = {r.job_id: r for r in records(settings.timings_log)}
 
-    jobs = (plain, edited, again, other)
+    jobs = (plain, edited, again, other, steered)
     assert [(by_id[j.id].mode, by_id[j.id].strength) for j in jobs] == [
         ("txt2img", None),
-        *[("edit", None)] * 3,
+        *[("edit", None)] * 4,
     ]
     for job in jobs[1:]:
         record = by_id[job.id]
@@ -58,6 +60,7 @@ def test_edits_render_through_a_worker_on_the_resident_pipeline(
     assert np.array_equal(shown[1], shown[2])  # same input, seed and prompt: the same edit
     assert not np.array_equal(shown[1], shown[3])  # another input image: another edit
     assert not np.array_equal(shown[0], shown[1])  # the image is read, not ignored
+    assert not np.array_equal(shown[1], shown[4])  # the negative prompt steers the edit
     details = client.job(edited.id).wait(timeout=5)
     assert (details.width, details.height) == (128, 128)
 
