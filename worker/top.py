@@ -141,7 +141,7 @@ def _workers(frame: Frame, style: box.Box) -> Table:
         table.add_row(
             state.name,
             device,
-            state.state,
+            state.state.removeprefix("WorkerStatus.").lower(),  # RQ's enum, as str() spells it
             resident or "-",
             _describe(running),
             str(state.jobs_done),
