@@ -16,6 +16,7 @@ from typing import Any, get_args
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from pydantic import ValidationError
 
 from api_client import keys
 from api_client.manifest import Manifest
@@ -104,11 +105,12 @@ class QueueDepth(Collector):
             labels=["model"],
         )
         published = self.connection.hmget(keys.MANIFESTS_KEY, self.models)
-        manifests = {
-            model: Manifest.model_validate_json(raw)
-            for model, raw in zip(self.models, published, strict=True)
-            if raw
-        }
+        manifests = {}
+        for model, raw in zip(self.models, published, strict=True):
+            try:
+                manifests[model] = Manifest.model_validate_json(raw or b"")
+            except ValidationError:  # none published (or retyped): no ETA, the depth still shows
+                continue
         for backlog in backlogs(self.connection, self.models, manifests):
             depth.add_metric([backlog.model], backlog.depth)
             if backlog.eta_s is not None:

@@ -18,8 +18,9 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
@@ -36,6 +37,7 @@ from worker.display import phase_header
 if TYPE_CHECKING:
     from redis import Redis
 
+Parsed = TypeVar("Parsed", bound=BaseModel)
 LAST_SCAN = 50  # newest entries read from each model's queue stream, for the last jobs
 ONCE_WIDTH = 10_000  # --once: one line per row, whatever the terminal (scripts grep it)
 # SIMPLE_HEAD's layout with an ASCII rule under the header, so --once prints plain ASCII tables.
@@ -73,8 +75,11 @@ def snapshot(connection: Redis, last: int = 10) -> Frame:
                 pipe.xrevrange(keys.events_key(state.running), count=1)
         newest = iter(pipe.execute())
     workers = [(s, _running(s.running, next(newest)) if s.running else None) for s in states]
-    published = connection.hgetall(keys.MANIFESTS_KEY)
-    manifests = {_text(k): Manifest.model_validate_json(v) for k, v in published.items()}
+    manifests = {
+        _text(k): manifest
+        for k, v in connection.hgetall(keys.MANIFESTS_KEY).items()
+        if (manifest := _parsed(Manifest, v)) is not None
+    }
     serving: dict[str, list[str]] = {}
     for state in states:
         for model in state.models:
@@ -90,10 +95,23 @@ def snapshot(connection: Redis, last: int = 10) -> Frame:
 
 
 def _running(job_id: str, entries: Any) -> Running:
-    if not entries:
+    event = _event(entries[0][1]) if entries else None
+    if event is None:
         return Running(job_id, None, None, None, None, None)
-    event = JobEvent.model_validate_json(entries[0][1][events.FIELD])
     return Running(job_id, event.model, event.kind, event.phase, event.step, event.steps)
+
+
+def _event(fields: dict[bytes, bytes]) -> JobEvent | None:
+    return _parsed(JobEvent, fields.get(events.FIELD))
+
+
+def _parsed(model: type[Parsed], raw: bytes | str | None) -> Parsed | None:
+    """raw as model, or None: anyone with write access may have put anything there, and one bad
+    entry must not stop the view."""
+    try:
+        return None if raw is None else model.model_validate_json(raw)
+    except ValidationError:
+        return None
 
 
 def _ended(connection: Redis, models: list[str], last: int) -> list[JobEvent]:
@@ -106,7 +124,7 @@ def _ended(connection: Redis, models: list[str], last: int) -> list[JobEvent]:
         event
         for entries in streams
         for _id, fields in entries
-        if (event := JobEvent.model_validate_json(fields[events.FIELD])).terminal
+        if (event := _event(fields)) is not None and event.terminal
     ]
     return sorted(ended, key=lambda e: e.at, reverse=True)[:last]
 
