@@ -72,3 +72,20 @@ def test_top_once_shows_two_workers_and_two_queues(
     for job, worker in zip(ended, (slow, quick), strict=True):
         row = line_of(job.id, " done ", worker.name)
         assert len(re.findall(r"\b\d+\.\d\d\b", row)) == 8, row  # eight phases in seconds
+
+
+def test_top_reads_entries_that_do_not_parse_as_nothing(redis_conn: Redis) -> None:
+    """Anyone who may write to Redis can put anything in a queue stream or the manifests hash:
+    the view skips what does not parse instead of failing."""
+    from api_client.manifest import load_manifest_file
+    from worker.top import render, snapshot
+
+    manifest = load_manifest_file(ROOT / "manifests" / "tiny-sd15.yaml")
+    redis_conn.hset(keys.MANIFESTS_KEY, mapping={"tiny-sd15": manifest.model_dump_json()})
+    redis_conn.hset(keys.MANIFESTS_KEY, "broken", "{not json")
+    redis_conn.xadd(keys.queue_events_key("tiny-sd15"), {"event": "garbage"})
+    redis_conn.rpush(keys.rq_queue_key(keys.queue_name("tiny-sd15")), "queued-id")
+    frame = snapshot(redis_conn)
+    assert [(b.model, b.depth) for b, _ in frame.queues] == [("tiny-sd15", 1)]
+    assert frame.ended == [] and frame.workers == []
+    render(frame)
