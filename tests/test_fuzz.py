@@ -74,6 +74,16 @@ plausible = {
     "image": st.sampled_from(IMAGE_REFS),
     "mask": st.sampled_from([None, "kiln-input:" + "1" * 64, "s3://other/bucket/m.png", ""]),
     "strength": st.one_of(st.none(), st.floats(min_value=-1, max_value=2)),
+    "loras": st.one_of(
+        st.none(),
+        st.lists(
+            st.fixed_dictionaries(
+                {"name": st.sampled_from(["detail", "style", "nope", ""])},
+                optional={"weight": st.floats(min_value=-6, max_value=6)},
+            ),
+            max_size=5,
+        ),
+    ),
     "width": st.sampled_from([0, -128, 128, 192, 4096, 10**12]),
     "height": st.sampled_from([0, -128, 128, 192, 4096]),
     "seed": st.integers(min_value=-10, max_value=2**33),
@@ -83,6 +93,7 @@ plausible = {
     "webhook": st.sampled_from([None, "nope", "https://attacker.example/hook", "", "a" * 65]),
     "rung": st.sampled_from([None, "full", "model_offload", "group_offload", "partial", "", "x"]),
     "compile": st.sampled_from([None, True, False, "on", 1]),
+    "priority": st.sampled_from([None, "interactive", "batch", "urgent", ""]),
 }
 
 
