@@ -94,7 +94,10 @@ def test_switches_follow_settings_and_manifest_overrides(make_settings: Any) -> 
         assert names.count(switch) == 1, switch
 
 
-def test_eviction_releases_the_pipeline_and_its_memory(redis_conn: Redis, settings: Any) -> None:
+def test_eviction_releases_the_pipeline_and_its_memory(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    settings = make_settings(ram_cache_gb=0)  # no RAM cache: evicted pipelines are released
     models = ["tiny-sd15", "tiny-sdxl", "tiny-sd3"]
     renderer = make_renderer(settings, models)
     client = client_for(redis_conn, settings)

@@ -134,6 +134,20 @@ def _prepare_adapters(loaded: LoadedPipeline, settings: Settings) -> None:
     )
 
 
+def place_again(loaded: LoadedPipeline, info: DeviceInfo, faults: FaultPlan) -> LoadedPipeline:
+    """A pipeline from the RAM cache back on its rung: a copy to the device and its offload
+    hooks, nothing read from disk; quantization, switches, adapters and compile wrappers are
+    kept from its load."""
+    started = time.perf_counter()
+    before = dev.allocated_bytes(info)
+    faults.check("load", loaded.rung)
+    _place(loaded.pipe, loaded.rung, info)
+    dev.synchronize(info)
+    loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
+    loaded.load_s = time.perf_counter() - started
+    return loaded
+
+
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpmsolver": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
     "euler": ("EulerDiscreteScheduler", {}),

@@ -52,7 +52,7 @@ from worker.ladder import (
     rung_need_gb,
     usable_gb,
 )
-from worker.loading import fit_for, load_pipeline
+from worker.loading import fit_for, load_pipeline, place_again
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
@@ -81,7 +81,7 @@ class Renderer:
         self.info = info or dev.probe(settings)
         self.worker_name = worker_name
         self.on_record = on_record  # gets every job's record once it is final
-        self.cache = PipelineCache(self.info)
+        self.cache = PipelineCache(self.info, int(settings.ram_cache_gb * GB))
         self.rungs = RungMemory()
         self.faults = FaultPlan.parse(settings.faults)
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
@@ -261,15 +261,22 @@ class Renderer:
         resident = self.cache.get(manifest.id)
         if resident is not None and self._serves(resident, rung, pin):
             return resident
-        record.cold, record.load_source = True, "disk"
+        record.cold = True
 
         def load(at: Rung) -> LoadedPipeline:
             self._make_room(manifest, at)
+            kept = self.cache.ram.take(manifest.id)
+            if kept is not None and self._serves(kept, at, pin):
+                record.load_source = "ram"
+                return place_again(kept, self.info, self.faults)
+            if kept is not None:  # kept at another rung or compile state: not this job's
+                self.cache.release(kept)
+            record.load_source = "disk"
             return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin)
 
         with watch.phase("load"):
             if resident is not None:
-                self.cache.evict(manifest.id)
+                self.cache.evict(manifest.id, to_ram=False)
             loaded = ladder.load(rung, load, reclaim=lambda: self._free(keep=None))
         self.cache.put(loaded)
         return loaded
@@ -299,7 +306,7 @@ class Renderer:
     ) -> LoadedPipeline:
         """After a second OOM while generating: the model again, one rung lower."""
         with watch.phase("load"):
-            self.cache.evict(manifest.id)
+            self.cache.evict(manifest.id, to_ram=False)
         return self._ensure_loaded(manifest, rung, pin, ladder, watch, record)
 
     def _attempt(
@@ -378,7 +385,8 @@ class Renderer:
         """Evict least recently used pipelines until this rung's estimate fits."""
         need = int(rung_need_gb(manifest, rung, fit_for(manifest, self.info, self.settings)) * GB)
         free_now = int(self.usable_gb(reclaim=False) * GB)
-        evicted = self.cache.evict_lru_until(need, free_now, keep=manifest.id)
+        evicted = self.cache.evict_beyond(self.settings.max_resident, keep=manifest.id)
+        evicted += self.cache.evict_lru_until(need, free_now, keep=manifest.id)
         if evicted:
             log.info("evicted %s to make room for %s at %s", evicted, manifest.id, rung)
 

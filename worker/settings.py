@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     vram_budget_gb: float | None = Field(
         None, gt=0, description="Cap on what kiln may use, even on a big card"
     )
+    ram_cache_gb: float = Field(
+        8.0,
+        ge=0,
+        description="Host RAM for pipelines evicted from the device, so a switch back is a copy,"
+        " not a disk read; 0 = off",
+    )
+    max_resident: int = Field(
+        0, ge=0, description="At most this many pipelines on the device; 0 = no limit but memory"
+    )
     device_profile: str | None = Field(
         None,
         description="Decide as this card would (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB"
