@@ -54,10 +54,10 @@ def cancel_queued(
     queue: str,
     retention_s: float = events.EVENTS_RETENTION_S,
 ) -> str | None:
-    """Cancel job_id if it is still queued on queue (its origin, kiln:<model id>), in one round
-    trip; the status it had then (None if it no longer exists). Any other status is left as it is:
-    a worker that took the job meanwhile finds its stop key."""
-    model = queue.removeprefix(keys.QUEUE_PREFIX)
+    """Cancel job_id if it is still queued on queue (its origin, kiln:<model id>[:batch]), in one
+    round trip; the status it had then (None if it no longer exists). Any other status is left as
+    it is: a worker that took the job meanwhile finds its stop key."""
+    model = keys.model_of(queue)
     stopped = JobEvent(
         kind="stopped", job_id=job_id, model=model, at=events.now(), error="canceled"
     )

@@ -19,7 +19,7 @@ from api_client import events, inputs, keys
 from api_client.connection import connect
 from api_client.enqueue import ENQUEUE, QUEUED_TTL_S, RESULT_TTL_S, enqueue_new
 from api_client.errors import Problem, RequestRejected
-from api_client.eta import live_workers
+from api_client.eta import live_workers, taken_first
 from api_client.fetch import fetch_image
 from api_client.job import KilnJob
 from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
@@ -53,10 +53,25 @@ class ModelInfo:
     workers: list[str] = field(default_factory=list)
     resident_on: list[str] = field(default_factory=list)
 
+    queued: dict[str, int] = field(default_factory=dict)  # lane -> jobs waiting in it
+
     @property
     def default_eta_s(self) -> float | None:
+        """Seconds one default job renders in, by the measured fit."""
         fit = self.fits.get(self.manifest.default_size)
         return None if fit is None else fit.eta(self.manifest.steps.default)
+
+    def eta_now_s(self, lane: str = "interactive") -> float | None:
+        """Seconds until a default job submitted now to lane is done: the jobs ahead of it by
+        the lane rule (eta.taken_first), each counted as a default job and shared among the
+        workers serving the model, then its own render."""
+        own = self.default_eta_s
+        if own is None:
+            return None
+        mine = self.queued.get(lane, 0)
+        other = sum(n for name, n in self.queued.items() if name != lane)
+        ahead = mine + taken_first(lane, mine, other)
+        return ahead * own / max(len(self.workers), 1) + own
 
 
 class KilnClient:
@@ -210,9 +225,10 @@ class KilnClient:
         at_front: bool = False,
         timeout_s: int = JOB_TIMEOUT_S,
     ) -> KilnJob:
-        """Validate, then enqueue on the model's queue. The same job_id twice renders once;
-        a job_id that already names a different request, or a request for a model whose queue
-        holds MAX_QUEUED jobs, is refused (RequestRejected)."""
+        """Validate, then enqueue on the model's queue for the request's priority (its lane).
+        The same job_id twice renders once; a job_id that already names a different request,
+        or a request for a model whose queue holds MAX_QUEUED jobs, is refused
+        (RequestRejected)."""
         from rq import Queue, Retry
         from rq.serializers import JSONSerializer
         from rq.utils import now as rq_now
@@ -225,7 +241,9 @@ class KilnClient:
         if job_id is not None:
             resolved = self._same_request(job_id, parsed, resolved)
         queue = Queue(
-            keys.queue_name(resolved.model), connection=self.connection, serializer=JSONSerializer
+            keys.queue_name(resolved.model, resolved.lane),
+            connection=self.connection,
+            serializer=JSONSerializer,
         )
         given, job_id = job_id is not None, job_id or uuid.uuid4().hex
         job = queue.create_job(
@@ -288,7 +306,8 @@ class KilnClient:
         return KilnJob(job_id, self.connection, events_retention_s=self.events_retention_s)
 
     def models(self) -> list[ModelInfo]:
-        """Published manifests with measured timing fits and the workers serving each model."""
+        """Published manifests with measured timing fits, the workers serving each model and the
+        jobs queued in each of its lanes."""
         manifests = self.manifests()
         fits: dict[str, dict[tuple[int, int], TimingFit]] = {}
         for raw_key, raw in self.connection.hgetall(keys.FITS_KEY).items():
@@ -304,9 +323,18 @@ class KilnClient:
                 serving.setdefault(model_id, []).append(state.name)
             for model_id in state.resident:
                 resident.setdefault(model_id, []).append(state.name)
+        ordered = sorted(manifests.values(), key=lambda m: m.id)
+        with self.connection.pipeline(transaction=False) as pipe:
+            for m in ordered:
+                for queue in keys.lane_queues(m.id):
+                    pipe.llen(keys.rq_queue_key(queue))
+            depths = iter(pipe.execute())
+        queued = {m.id: {lane: int(next(depths)) for lane in keys.LANES} for m in ordered}
         return [
-            ModelInfo(m, fits.get(m.id, {}), serving.get(m.id, []), resident.get(m.id, []))
-            for m in sorted(manifests.values(), key=lambda m: m.id)
+            ModelInfo(
+                m, fits.get(m.id, {}), serving.get(m.id, []), resident.get(m.id, []), queued[m.id]
+            )
+            for m in ordered
         ]
 
     def workers(self) -> list[WorkerState]:

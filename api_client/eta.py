@@ -1,5 +1,6 @@
 """ETAs from what workers measured: each model's timing fit (fixed + steps * per_step seconds
-per image, by size, published in kiln:fits) applied to the jobs ahead of a job in its queue.
+per image, by size, published in kiln:fits) applied to the jobs ahead of a job: those before it
+in its lane's queue, and those of the model's other lane that the lane rule takes first.
 
 An ETA only reads, and reads a bounded amount: the job's place in its queue by LPOS, a few fields
 (HMGET) of at most AHEAD_READ queued jobs and of the running ones; with more jobs ahead than that,
@@ -53,21 +54,29 @@ def read_jobs(connection: Redis, job_ids: list[str]) -> list[JobSummary | None]:
 
 
 def job_eta(connection: Redis, job: JobSummary) -> float | None:
-    """Seconds until job's result is expected: the work ahead of it (queued before it, and
-    running now) shared among the workers serving its model, then its own render. 0 once the
-    job ended; None while a model and size in play has no measured fit yet."""
+    """Seconds until job's result is expected: the work ahead of it (queued before it in its
+    lane, the other lane's jobs the lane rule takes first, and what runs now) shared among the
+    workers serving its model, then its own render. 0 once the job ended; None while a model
+    and size in play has no measured fit yet."""
     if job.status in ENDED:
         return 0.0
-    queue_key = keys.rq_queue_key(job.origin)
+    model, lane = keys.model_of(job.origin), keys.lane_of(job.origin)
+    own_key = keys.rq_queue_key(job.origin)
+    other_key = keys.rq_queue_key(
+        keys.queue_name(model, "interactive" if lane == "batch" else "batch")
+    )
     with connection.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.FITS_KEY)
-        pipe.lpos(queue_key, job.id)
-        pipe.llen(queue_key)
-        pipe.lrange(queue_key, 0, AHEAD_READ - 1)
+        pipe.lpos(own_key, job.id)
+        pipe.llen(own_key)
+        pipe.lrange(own_key, 0, AHEAD_READ - 1)
+        pipe.llen(other_key)
+        pipe.lrange(other_key, 0, AHEAD_READ - 1)
         # Live executions only: lapsed ones are abandoned jobs, the workers' sweep's to recover.
         live = f"({time.time()}"
-        pipe.zrangebyscore(keys.RQ_STARTED_PREFIX + job.origin, live, "+inf", 0, AHEAD_READ)
-        raw_fits, position, length, head, executions = pipe.execute()
+        for queue in keys.lane_queues(model):
+            pipe.zrangebyscore(keys.RQ_STARTED_PREFIX + queue, live, "+inf", 0, AHEAD_READ)
+        raw_fits, position, length, head, other_length, other_head, *executions = pipe.execute()
     fits = {_text(k): TimingFit.model_validate_json(v) for k, v in raw_fits.items()}
     own = _estimate(job, fits)
     if own is None:
@@ -75,18 +84,38 @@ def job_eta(connection: Redis, job: JobSummary) -> float | None:
     if job.status == "started":
         return _remaining(job, own)
     ahead = position if position is not None else length  # not in the list: behind them all
-    sample = [_text(i) for i in head[:ahead]]
+    cutting_in = taken_first(lane, ahead, other_length)
+    queued = [_text(i) for i in head[:ahead]]
+    cutting = [_text(i) for i in other_head[:cutting_in]]
     # "<job id>:<execution id>"; a worker may take this job between the reads: never count it.
-    running = [_text(e).rsplit(":", 1)[0] for e in executions]
+    running = [_text(e).rsplit(":", 1)[0] for found in executions for e in found]
     running = [i for i in running if i != job.id]
-    summaries = read_jobs(connection, [*sample, *running])
-    queued_s = _work(summaries[: len(sample)], fits, started=False)
-    running_s = _work(summaries[len(sample) :], fits, started=True)
-    if queued_s is None or running_s is None:
+    summaries = read_jobs(connection, [*queued, *cutting, *running])
+    first, second = len(queued), len(queued) + len(cutting)
+    queued_s = _scaled(_work(summaries[:first], fits, started=False), ahead, len(queued))
+    other_s = _scaled(_work(summaries[first:second], fits, started=False), cutting_in, len(cutting))
+    running_s = _work(summaries[second:], fits, started=True)
+    if queued_s is None or other_s is None or running_s is None:
         return None
-    if sample and ahead > len(sample):
-        queued_s += (ahead - len(sample)) * queued_s / len(sample)
-    return (queued_s + running_s) / max(_workers_serving(connection, job.origin), 1) + own
+    work = queued_s + other_s + running_s
+    return work / max(_workers_serving(connection, job.origin), 1) + own
+
+
+def taken_first(lane: str, ahead: int, other_queued: int) -> int:
+    """How many of the other lane's queued jobs the workers take before a job with `ahead` jobs
+    before it in its own lane (keys.BATCH_EVERY, worker/lanes.py): an interactive job lets one
+    batch job through for every BATCH_EVERY - 1 interactive ones ahead of it; a batch job waits
+    for at most BATCH_EVERY - 1 interactive jobs for each batch job up to and including itself."""
+    if lane == "batch":
+        return min(other_queued, (keys.BATCH_EVERY - 1) * (ahead + 1))
+    return min(other_queued, ahead // (keys.BATCH_EVERY - 1))
+
+
+def _scaled(seconds: float | None, count: int, read: int) -> float | None:
+    """seconds of the `read` jobs read, scaled to all `count` (the rest at their mean)."""
+    if seconds is None or not read or count <= read:
+        return seconds
+    return seconds * count / read
 
 
 def _work(jobs: list[JobSummary | None], fits: dict[str, TimingFit], started: bool) -> float | None:
@@ -111,8 +140,7 @@ def _estimate(job: JobSummary, fits: dict[str, TimingFit]) -> float | None:
         steps, images = int(request.get("steps") or 0), int(request.get("num_images") or 1)
     except (TypeError, ValueError):
         return 0.0  # not a request kiln renders: refused at once
-    model = job.origin.removeprefix(keys.QUEUE_PREFIX)
-    fit = fits.get(keys.fit_field(model, width, height))
+    fit = fits.get(keys.fit_field(keys.model_of(job.origin), width, height))
     return None if fit is None else fit.eta(steps, images)
 
 
@@ -170,7 +198,7 @@ def _date(value: bytes | None) -> datetime | None:
 
 
 def _workers_serving(connection: Redis, queue: str) -> int:
-    model = queue.removeprefix(keys.QUEUE_PREFIX)
+    model = keys.model_of(queue)
     return sum(1 for state in live_workers(connection) if model in state.models)
 
 

@@ -168,7 +168,7 @@ class KilnJob:
         if status in CANCELABLE:
             seen = cancel_queued(self._connection, self.id, _text(origin or b""), self._retention_s)
             if seen in CANCELABLE:  # this call took it off its queue: its end goes to its webhook
-                model = _text(origin or b"").removeprefix(keys.QUEUE_PREFIX)
+                model = keys.model_of(_text(origin or b""))
                 stopped = JobEvent(
                     kind="stopped", job_id=self.id, model=model, at=events.now(), error="canceled"
                 )

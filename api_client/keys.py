@@ -1,6 +1,7 @@
-"""Redis names shared by client and worker: one queue per model, and the published state; and
-the few of RQ's names the client reads or writes itself (tests/test_client_import.py checks them
-against rq's own), so `import api_client` need not load rq."""
+"""Redis names shared by client and worker: two queues per model (its interactive and batch
+lanes) and the published state; and the few of RQ's names the client reads or writes itself
+(tests/test_client_import.py checks them against rq's own), so `import api_client` need not
+load rq."""
 
 from __future__ import annotations
 
@@ -25,8 +26,32 @@ RQ_DEFERRED_PREFIX = "rq:deferred:"
 RQ_SCHEDULED_PREFIX = "rq:scheduled:"
 
 
-def queue_name(model_id: str) -> str:
-    return f"{QUEUE_PREFIX}{model_id}"
+LANES = ("interactive", "batch")  # a request's priority; interactive is the default
+# Workers take interactive jobs first, but after BATCH_EVERY - 1 of them in a row they look at
+# the batch lanes first (worker/lanes.py); ETAs count the jobs ahead by the same rule.
+BATCH_EVERY = 4
+BATCH_SUFFIX = ":batch"  # model ids never hold a colon (their manifest's id pattern)
+
+
+def queue_name(model_id: str, lane: str = "interactive") -> str:
+    """A model's queue for one lane: kiln:<model id> (interactive), kiln:<model id>:batch."""
+    if lane not in LANES:
+        raise ValueError(f"lane {lane!r}: must be one of {', '.join(LANES)}")
+    return f"{QUEUE_PREFIX}{model_id}{BATCH_SUFFIX if lane == 'batch' else ''}"
+
+
+def lane_queues(model_id: str) -> list[str]:
+    """Both lanes' queues of a model, interactive first: what lists, cleans or counts by queue."""
+    return [queue_name(model_id, lane) for lane in LANES]
+
+
+def model_of(queue: str) -> str:
+    """The model a queue (a job's origin) belongs to, whichever its lane."""
+    return queue.removeprefix(QUEUE_PREFIX).removesuffix(BATCH_SUFFIX)
+
+
+def lane_of(queue: str) -> str:
+    return "batch" if queue.endswith(BATCH_SUFFIX) else "interactive"
 
 
 def stop_key(job_id: str) -> str:
@@ -59,5 +84,5 @@ def rq_job_key(job_id: str) -> str:
 
 
 def rq_queue_key(queue: str) -> str:
-    """RQ's list of one queue (queue as in a job's origin: kiln:<model id>)."""
+    """RQ's list of one queue (queue as in a job's origin: kiln:<model id>[:batch])."""
     return f"{RQ_QUEUE_PREFIX}{queue}"

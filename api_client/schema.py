@@ -38,6 +38,7 @@ MAX_IMAGES = 4
 RENDER_FUNC = "worker.queue.render_job"
 WEBHOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_LORAS = 4  # adapters one request may name
+Priority = Literal["interactive", "batch"]  # a request's lane (api_client/keys.py LANES)
 
 
 class LoraChoice(BaseModel):
@@ -86,6 +87,19 @@ class RenderRequest(BaseModel):
     # why (never a silent descent or fallback).
     rung: Rung | None = None
     compile: bool | None = None
+    # The lane its model's jobs wait in: interactive (someone is waiting; the default, None on
+    # the wire) ahead of batch, which is never starved (README: queues and lanes).
+    priority: Priority | None = None
+
+    @property
+    def lane(self) -> Priority:
+        return self.priority or "interactive"
+
+    @field_validator("priority")
+    @classmethod
+    def _interactive_is_the_default(cls, priority: Priority | None) -> Priority | None:
+        # Said or not, the same request: the same wire form, digest and idempotent job.
+        return None if priority == "interactive" else priority
 
     @field_validator("webhook")
     @classmethod
@@ -134,7 +148,17 @@ class RenderRequest(BaseModel):
 # Request fields added after requests were first stored; unset, they are left out of the wire form
 # and the digest, so a request that does not use them reads exactly as it did before they existed
 # (to workers not yet upgraded, and to result.json files written before).
-LATER_FIELDS = ("true_cfg", "rung", "compile", "mode", "image", "mask", "strength", "loras")
+LATER_FIELDS = (
+    "true_cfg",
+    "rung",
+    "compile",
+    "mode",
+    "image",
+    "mask",
+    "strength",
+    "loras",
+    "priority",
+)
 
 
 def _unset_later_fields(request: RenderRequest) -> set[str]:

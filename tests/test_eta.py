@@ -168,5 +168,5 @@ def test_eta_reads_at_most_ahead_read_jobs_and_extrapolates_the_rest(
     calls = {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()}
     assert eta == pytest.approx((AHEAD_READ + extra) * fit.eta(4) + fit.eta(2))
     assert calls["hmget"] == AHEAD_READ + 1  # its own record, then the ones it read ahead
-    assert calls["lpos"] == 1 and calls["lrange"] == 1
+    assert calls["lpos"] == 1 and calls["lrange"] == 2  # the heads of both lanes
     assert "hgetall" not in calls or calls["hgetall"] == 1  # the fits, never a job hash

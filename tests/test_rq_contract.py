@@ -81,7 +81,7 @@ HOOKS = [
         "(self, burst=False, logging_level=None, date_format='%H:%M:%S', "
         "log_format='%(asctime)s %(message)s', max_jobs=None, max_idle_time=None, "
         "with_scheduler=False, dequeue_strategy=<DequeueStrategy.DEFAULT: 'default'>)",
-        f"{OVERRIDE} {W}: dequeue_strategy and logging_level (worker/serve.py) by keyword",
+        f"{OVERRIDE} {W}: logging_level (worker/serve.py) by keyword",
     ),
     Hook("SimpleWorker.register_birth", "(self)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.check_for_suspension", "(self, burst)", f"{OVERRIDE} {W}"),
@@ -93,7 +93,11 @@ HOOKS = [
         f"{OVERRIDE} {W}",
     ),
     Hook("SimpleWorker.heartbeat", "(self, timeout=None, pipeline=None)", f"{OVERRIDE} {W}"),
-    Hook("SimpleWorker.reorder_queues", "(self, reference_queue)", f"{OVERRIDE} {W}"),
+    Hook(
+        "SimpleWorker.reorder_queues",
+        "(self, reference_queue)",
+        f"{OVERRIDE} {W}: sets _ordered_queues to kiln's lane order (worker/lanes.py)",
+    ),
     Hook("SimpleWorker.execute_job", "(self, job, queue)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.get_heartbeat_ttl", "(self, job)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.set_state", "(self, state, pipeline=None)", f"{OVERRIDE} {W}"),
@@ -252,6 +256,7 @@ ATTRIBUTES = {
         "_shutdown_requested_date",
         "_stopped_job_id",  # rq marks this job STOPPED in handle_job_failure
         "_exc_handlers",  # handed to clean_registries
+        "_ordered_queues",  # the order rq's dequeue pops in: kiln's lanes (reorder_queues)
         "execution",
         "_state",
         "last_cleaned_at",

@@ -26,7 +26,7 @@ NEXT_JOB_ID = "kiln-next-default-job"
 @dataclass(frozen=True)
 class Backlog:
     model: str
-    depth: int  # jobs waiting in the model's queue
+    depth: int  # jobs waiting in the model's queues, both lanes
     eta_s: float | None  # a default job submitted now; None until its size has a measured fit
 
 
@@ -55,8 +55,10 @@ def backlogs(
     model with a manifest (None without one)."""
     with connection.pipeline(transaction=False) as pipe:
         for model in models:
-            pipe.llen(keys.rq_queue_key(keys.queue_name(model)))
-        depths = pipe.execute()
+            for queue in keys.lane_queues(model):  # interactive and batch (worker/lanes.py)
+                pipe.llen(keys.rq_queue_key(queue))
+        found = iter(pipe.execute())
+    depths = [sum(next(found) for _ in keys.LANES) for _ in models]
     return [
         Backlog(
             model,

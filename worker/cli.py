@@ -128,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--front", action="store_true", help="put the job at the front of its queue"
     )
+    submit.add_argument(
+        "--priority",
+        choices=["interactive", "batch"],
+        help="its lane: interactive (default) goes ahead of batch; batch is never starved",
+    )
     submit.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
     submit.add_argument(
         "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
@@ -346,7 +351,10 @@ def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
     from api_client import RenderFailed
 
     if not args.wait:
-        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on kiln:{model}")
+        from api_client.keys import queue_name
+
+        queue = queue_name(model, getattr(args, "priority", None) or "interactive")
+        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on {queue}")
         return 0
     from worker.display import wait_with_progress
 
@@ -390,6 +398,8 @@ def _model_json(info: Any) -> dict[str, Any]:
         "workers": info.workers,
         "resident_on": info.resident_on,
         "eta_s": info.default_eta_s,
+        "queued": info.queued,
+        "eta_now_s": {lane: info.eta_now_s(lane) for lane in info.queued},
         "fits": {f"{w}x{h}": fit.model_dump() for (w, h), fit in info.fits.items()},
     }
 

@@ -83,10 +83,21 @@ def print_result(result: RenderResult) -> None:
 
 
 def print_models(infos: list[ModelInfo]) -> None:
-    table = Table("model", "family", "default", "sizes", "workers", "resident", "ETA (default job)")
+    table = Table(
+        "model",
+        "family",
+        "default",
+        "sizes",
+        "workers",
+        "resident",
+        "ETA (default job)",
+        "queued (interactive, batch)",
+        "ETA submitted now (interactive, batch)",
+    )
     for info in infos:
         m = info.manifest
         eta = info.default_eta_s
+        now = [info.eta_now_s(lane) for lane in ("interactive", "batch")]
         table.add_row(
             m.id,
             m.family,
@@ -95,6 +106,8 @@ def print_models(infos: list[ModelInfo]) -> None:
             str(len(info.workers)),
             ", ".join(info.resident_on) or "-",
             f"{eta:.2f} s" if eta is not None else "not measured",
+            f"{info.queued.get('interactive', 0)}, {info.queued.get('batch', 0)}",
+            ", ".join(f"{s:.2f} s" for s in now if s is not None) or "not measured",
         )
     wide_console().print(table)
 

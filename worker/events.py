@@ -116,7 +116,7 @@ def add_ended(pipe: Any, ended: list[JobEvent]) -> None:
 
 def open_journal(conn: Redis, job_id: str, origin: str | None, request: Any) -> EventJournal:
     """The journal of a job that starts running in this process."""
-    model = origin.removeprefix(keys.QUEUE_PREFIX) if origin else None
+    model = keys.model_of(origin) if origin else None
     webhook = request.get("webhook") if isinstance(request, dict) else None
     target = webhook if isinstance(webhook, str) else None
     journal = EventJournal(conn, job_id, model, target, retention_s=_retention_s)

@@ -87,6 +87,18 @@ return #due
 """
 
 
+# KEYS: registries (sorted sets scored by when each entry is due). ARGV: now (unix s).
+# 1 for each registry holding an entry due by now (a lapsed lease, a job put back whose time has
+# come), else 0: the sweep's look at every lane of every queue in one command.
+ANY_DUE = """
+local found = {}
+for i, key in ipairs(KEYS) do
+    found[i] = #redis.call("ZRANGEBYSCORE", key, 0, ARGV[1], "LIMIT", 0, 1)
+end
+return found
+"""
+
+
 def lease_score(ttl_s: float) -> float:
     """When a lease pushed now lapses. Fractional seconds, so that every push changes the score
     and `ZADD XX CH` answers 1 exactly while the entry is there."""

@@ -125,7 +125,7 @@ class RenderJob(Job):
             )
             quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
             # rq fails it next: its event stream ends (and expires) as any failed job's does.
-            model = self.origin.removeprefix(keys.QUEUE_PREFIX) if self.origin else None
+            model = keys.model_of(self.origin) if self.origin else None
             failed = JobEvent(
                 kind="failed", job_id=self.id, model=model, at=events.now(), error=reason
             )

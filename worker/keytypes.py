@@ -26,7 +26,7 @@ def shared(queue_names: list[str], worker_key: str) -> dict[str, str]:
         expected[f"rq:queue:{name}"] = "list"
         expected[f"rq:queue:{name}:intermediate"] = "list"
         expected[f"rq:workers:{name}"] = "set"
-        expected[keys.queue_events_key(name.removeprefix(keys.QUEUE_PREFIX))] = "stream"
+        expected[keys.queue_events_key(keys.model_of(name))] = "stream"
         for registry in _REGISTRIES:
             expected[f"rq:{registry}:{name}"] = "zset"
     return expected

@@ -93,6 +93,7 @@ class LeaseKeeper:
     _pulse: Pulse | None
     _finisher: Finisher
     _enqueue_due: Any
+    _any_due: Any
     _lease_until: float
     _redis_back_at: float
 
@@ -103,6 +104,7 @@ class LeaseKeeper:
         self.lease_lost = threading.Event()  # the running job's lease found lapsed and taken
         self._finisher = Finisher(self.connection)
         self._enqueue_due = self.connection.register_script(execution.ENQUEUE_DUE)
+        self._any_due = self.connection.register_script(execution.ANY_DUE)
         # Monotonic time until which the running job's lease surely holds (holds_lease).
         self._lease_until = -math.inf
         # RQ's counters in the worker hash (rq info, rq-exporter), written with the state beat.
@@ -115,8 +117,8 @@ class LeaseKeeper:
 
     def _start(self, job: Job, queue: Queue) -> bool:
         """Step 3, one round trip (worker/execution.py start): the job hash says started (RQ's
-        fields), the execution takes the job's lease until its heartbeat lapses, the job leaves
-        RQ's intermediate list, and its stop key is read (True: a cancel came while queued)."""
+        fields), the execution takes the job's lease until its heartbeat lapses, and its stop
+        key is read (True: a cancel came while queued)."""
         self.execution = held = Execution(uuid.uuid4().hex, job.id, self.connection, self.name)
         self._state = WorkerStatus.BUSY
         self.cancelled.clear()
@@ -134,8 +136,9 @@ class LeaseKeeper:
             stop_asked = self._retyped(job.id, send)
             self._lease_until = sent_at + self.heartbeat_ttl_s
         except BaseException:
-            # Redis gone for good (after the connection's minute of retries): the job stays in
-            # the intermediate list, where RQ's maintenance fails it, as with RQ's own start.
+            # Redis gone for good (after the connection's minute of retries): as with RQ's own
+            # start after a pop from several queues, the job is in no registry; its hash says
+            # queued until it expires, and a client's wait ends with its timeout.
             with self._running_lock:
                 self._running, self.execution = None, None
             raise
@@ -257,8 +260,8 @@ class LeaseKeeper:
 
     def recover_abandoned(self) -> None:
         """Jobs whose worker stopped heartbeating go back to their queue (if retries are left),
-        and jobs put back for later whose time has come too. Two commands a queue when neither
-        is due, which is nearly always."""
+        and jobs put back for later whose time has come too. One command for all queues when
+        neither is due, which is nearly always."""
         if self.redis_unsettled():
             return
         stamp = current_timestamp()
@@ -289,12 +292,15 @@ class LeaseKeeper:
                 queue.release_maintenance_lock()
 
     def _due(self, stamp: float) -> list[tuple[Any, Any]]:
-        """Per queue: a lapsed lease, if any; a job put back for later and due, if any."""
-        with self._watching_redis(), self.connection.pipeline(transaction=False) as pipe:
-            for queue in self.queues:
-                pipe.zrangebyscore(queue.started_job_registry.key, 0, stamp, start=0, num=1)
-                pipe.zrangebyscore(queue.scheduled_job_registry.key, 0, stamp, start=0, num=1)
-            found = pipe.execute()
+        """Per queue: whether a lease lapsed; whether a job put back for later is due. One
+        command for every lane of every queue (execution.ANY_DUE)."""
+        registries = [
+            key
+            for queue in self.queues
+            for key in (queue.started_job_registry.key, queue.scheduled_job_registry.key)
+        ]
+        with self._watching_redis():
+            found = self._any_due(keys=registries, args=[stamp])
         return list(zip(found[::2], found[1::2], strict=True))
 
     def clean_queue(self, queue: Queue) -> None:

@@ -219,7 +219,7 @@ def move_aside(
             failed = JobEvent(
                 kind="failed",
                 job_id=job_id,
-                model=origin.removeprefix(keys.QUEUE_PREFIX) or None,
+                model=keys.model_of(origin) or None,
                 at=events.now(),
                 error=short(f"quarantined: {entry.reason}", 1000),
             )

@@ -1,20 +1,24 @@
 """The RQ side of kiln: a worker that never forks and keeps its pipelines resident.
 
 The life of one job, in the order RQ calls into KilnWorker (hooks marked *) and what kiln does.
-RQ's data stays RQ's (job hash, queues, intermediate list, registries, results stream), so RQ's
-readers see kiln's jobs as any RQ job; RQ's own perform path, about 40 commands in six round
-trips a job, is replaced by steps 3 and 7 (worker/execution.py; bench/RESULTS.md).
+RQ's data stays RQ's (job hash, queues, registries, results stream), so RQ's readers see kiln's
+jobs as any RQ job; RQ's own perform path, about 40 commands in six round trips a job, is
+replaced by steps 3 and 7 (worker/execution.py; bench/RESULTS.md). The round trips of the job a
+worker holds are LeaseKeeper's (worker/lease.py); what it publishes is StatePublisher's
+(worker/publisher.py).
 
-1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop, round robin over the model
-   queues. *dequeue_job_and_maintain_ttl moves a job id from its queue into RQ's intermediate
-   list (a record kiln cannot read, or a key a client retyped, is moved aside into the
-   quarantine); *reorder_queues runs right after the pop: from here the job must run, whatever
-   signal arrives, or it would sit in no queue and no registry.
+1. work() starts the Pulse thread (worker/pulse.py) and RQ's loop over both lanes of every model
+   it serves. *dequeue_job_and_maintain_ttl pops a job id from the first queue in the lane
+   order that holds one (one BLPOP over them all; a record kiln cannot read, or a key a client
+   retyped, is moved aside into the quarantine); *reorder_queues runs right after the pop and
+   sets the next lane order (worker/lanes.py: interactive first, batch at least one job in
+   four): from here the job must run, whatever signal arrives, or it would sit in no queue and
+   no registry.
 2. *execute_job caps the job's timeout at KILN_JOB_TIMEOUT_S and gives the job its entry point
    into kiln (RenderJob.run = KilnWorker.render_job with the job's RQJobContext).
 3. _start, one round trip: the job hash says started, the execution takes the job's lease (its
-   entry in the started registry, lapsing *get_heartbeat_ttl, 10 s, after its last push), the id
-   leaves the intermediate list, the stop key is read. From here the Pulse thread pushes the
+   entry in the started registry, lapsing *get_heartbeat_ttl, 10 s, after its last push), the
+   stop key is read. From here the Pulse thread pushes the
    lease every 3 s; a push that changes nothing means the lease was swept while this worker
    stalled (`lease_lost`). A cancel arrives as RQ's stop-job command on RQ's pub/sub thread
    (*handle_payload takes nothing else), which sets `cancelled`: the render reads it at its next
@@ -73,7 +77,7 @@ from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
 from rq.timeouts import UnixSignalDeathPenalty
 from rq.utils import now
-from rq.worker import DequeueStrategy, WorkerStatus
+from rq.worker import WorkerStatus
 
 from api_client import keys
 from api_client.errors import short
@@ -88,6 +92,7 @@ from worker.errors import (
     StoreUnavailable,
 )
 from worker.job import LEASE_LOST, RenderJob, RQJobContext, record_error
+from worker.lanes import LaneOrder, worker_queues
 from worker.lease import LeaseKeeper, Outcome, worker_connection
 from worker.publisher import STATE_INTERVAL_S, RecordPublisher, StatePublisher, announce
 from worker.pulse import REDIS_ERRORS, Pulse
@@ -143,7 +148,9 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
         self.publisher = listener if isinstance(listener, RecordPublisher) else RecordPublisher()
         renderer.on_record = self.publisher
         self.job_timeout_s = job_timeout_s
-        self.served = [q.name.removeprefix(keys.QUEUE_PREFIX) for q in self.queues]
+        self.served = list(dict.fromkeys(keys.model_of(q.name) for q in self.queues))
+        self.lanes = LaneOrder(self.queues)
+        self._ordered_queues = self.lanes.order()
         self.init_lease()
         self._last_exception: BaseException | None = None
         self._pulse: Pulse | None = None
@@ -158,8 +165,6 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
     # -- the work loop --------------------------------------------------------------------------
 
     def work(self, burst: bool = False, **kwargs: Any) -> bool:  # type: ignore[override]
-        # Round robin across model queues: a busy model must not starve the others.
-        kwargs.setdefault("dequeue_strategy", DequeueStrategy.ROUND_ROBIN)
         self.shutdown_now.clear()
         self._pulse = Pulse(self)
         self._pulse.start()
@@ -231,7 +236,8 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
         # RQ calls this right after a successful pop: from here on the job must run, whatever
         # signal arrives, or it would be off its queue and in no registry.
         self._holding_job = True
-        super().reorder_queues(reference_queue)
+        # kiln's lane order (worker/lanes.py) in place of RQ's dequeue strategies.
+        self._ordered_queues = self.lanes.after(reference_queue)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Steps 2-7 in place of RQ's prepare_execution / perform_job / handle_job_success, which
@@ -420,9 +426,9 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
 
 
 def make_worker(connection: Redis, renderer: Renderer, models: list[str]) -> KilnWorker:
-    """A worker named as its renderer, listening on the queues of the models it serves."""
+    """A worker named as its renderer, listening on both lanes of the models it serves."""
     job_events.set_retention(renderer.settings.events_retention_s)
-    names = [keys.queue_name(m) for m in models]
+    names = worker_queues(models)  # both lanes of every model
     # A key a client retyped would crash this worker at every start: moved aside first.
     quarantine.repair_types(connection, keytypes.shared(names, f"rq:worker:{renderer.worker_name}"))
     announce(connection, renderer, models, names)
