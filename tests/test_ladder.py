@@ -126,7 +126,7 @@ def test_denoise_oom_once_is_survived_by_the_same_rung_retry(
     assert outcomes(result) == [("full", "oom", "denoise"), ("full", "ok", None)]
 
 
-@pytest.mark.parametrize("phase", ["denoise", "decode", "text_encode"])
+@pytest.mark.parametrize("phase", ["denoise", "text_encode"])  # decode: tests/test_decode_retry.py
 def test_generation_oom_twice_descends_reloads_and_retries(
     redis_conn: Redis, make_settings: Any, phase: str
 ) -> None:
@@ -146,7 +146,8 @@ def test_the_new_families_drill_each_phase_on_its_own(
     redis_conn: Redis, make_settings: Any, model: str, phase: str
 ) -> None:
     """FLUX.1, FLUX.2, Qwen-Image and Z-Image keep encode, denoise and decode apart: a drilled
-    OOM in any one of them is retried, then descends, like the SD families'."""
+    OOM in any one of them is retried, then descends, like the SD families' (decode: the decode
+    alone, tiled, on the latents already denoised)."""
     settings = make_settings(faults=f"oom@{phase}:full*2")
     handle = client_for(redis_conn, settings).submit({**JOB, "model": model})
     burst(redis_conn, make_renderer(settings, [model]), [model])
@@ -154,7 +155,7 @@ def test_the_new_families_drill_each_phase_on_its_own(
     assert outcomes(result) == [
         ("full", "oom", phase),
         ("full", "oom", phase),
-        ("model_offload", "ok", None),
+        ("model_offload", "ok", "decode" if phase == "decode" else None),
     ]
     assert result.rung == "model_offload" and len(result.images) == 1
 
@@ -162,7 +163,7 @@ def test_the_new_families_drill_each_phase_on_its_own(
 def test_generation_oom_after_descending_fails_naming_model_and_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(faults="oom@decode:full*2,oom@decode:model_offload")
+    settings = make_settings(faults="oom@denoise:full*2,oom@denoise:model_offload")
     handle = client_for(redis_conn, settings).submit(JOB)
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
     with pytest.raises(
@@ -172,9 +173,9 @@ def test_generation_oom_after_descending_fails_naming_model_and_rung(
     [record] = records(settings.timings_log)
     assert record.status == "failed"
     assert [(a.rung, a.outcome, a.phase) for a in record.attempts] == [
-        ("full", "oom", "decode"),
-        ("full", "oom", "decode"),
-        ("model_offload", "oom", "decode"),
+        ("full", "oom", "denoise"),
+        ("full", "oom", "denoise"),
+        ("model_offload", "oom", "denoise"),
     ]
 
 

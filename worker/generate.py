@@ -2,12 +2,15 @@
 decode, each in its own timed phase, with progress, previews and stop requests at each step.
 
 Rendering runs in three calls instead of one pipeline call so each phase is timed,
-fault-injected and retried on its own."""
+fault-injected and retried on its own: out of memory in decode retries the decode alone on the
+latents already denoised (the ladder's decode rules, handed in as DecodeRules)."""
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,8 +27,22 @@ from worker.resident import LoadedPipeline
 from worker.store import Store
 from worker.switches import preview_steps
 from worker.timings import Stopwatch, TimingRecord
+from worker.vae import tiled
 
 log = logging.getLogger(__name__)
+
+# One decode of the kept latents on a pipeline, tiled or not: (images, how it decoded).
+DecodeTry = Callable[[LoadedPipeline, bool], tuple[list[Image.Image], str]]
+# The ladder's decode rules (Ladder.decode with this job's reclaim and reload bound): the images
+# and the pipeline that decoded them, which is a lower rung's after a descent.
+DecodeRules = Callable[[LoadedPipeline, DecodeTry], tuple[list[Image.Image], LoadedPipeline]]
+
+
+def decode_once(
+    loaded: LoadedPipeline, tile: DecodeTry
+) -> tuple[list[Image.Image], LoadedPipeline]:
+    """No decode rules: one untiled decode, out of memory left to the caller."""
+    return tile(loaded, False)[0], loaded
 
 
 @torch.inference_mode()
@@ -40,9 +57,10 @@ def generate(
     faults: FaultPlan,
     store: Store,
     sources: dict[str, Image.Image] | None = None,
-) -> list[Image.Image]:
+    decode: DecodeRules = decode_once,
+) -> tuple[list[Image.Image], LoadedPipeline]:
     """sources: img2img's, inpaint's and edit's inputs as the pipeline takes them (image,
-    mask_image)."""
+    mask_image). Returns the images and the pipeline that decoded them (decode's)."""
     mode, rung = request.mode or "txt2img", loaded.rung
     pipe = loaded.pipe_for(mode)
     family = spec_for(loaded.manifest)
@@ -76,6 +94,7 @@ def generate(
     previews = preview_steps(steps) if wanted else set()
 
     def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        record.steps_denoised += 1
         preview = None
         if step + 1 in previews:
             preview = _preview(loaded, tensors["latents"], ctx, record, store)
@@ -107,17 +126,24 @@ def generate(
             # device and re-arms them, as its own call does at the end (a no-op at full).
             loaded.pipe.maybe_free_model_hooks()
 
-    # 3. Decode latents to pixels
-    with watch.phase("decode"):
-        ctx.progress("decode", steps, steps)
-        faults.check("decode", rung)
-        images = family.decode(pipe, latents, *shape[:2])
-    loaded.warm_shapes.add(shape)
+    loaded.warm_shapes.add(shape)  # the denoiser has run this shape, whatever decode does
     loaded.cfg_seen.add(cfg)
     loaded.modes_seen.add(mode)
+
+    # 3. Decode latents to pixels; out of memory keeps the latents for the decode rules.
+    def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:
+        with watch.phase("decode"):
+            ctx.progress("decode", steps, steps)
+            faults.check("decode", on.rung)
+            view = on.pipe_for(mode)
+            with tiled(view.vae) if tile else nullcontext("untiled") as how:
+                return family.decode(view, latents, *shape[:2]), how
+
+    images, decoded = decode(loaded, decode_on)
+    record.rung = decoded.rung
     record.peak_memory_bytes = dev.peak_bytes(info)
     record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
-    return images
+    return images, decoded
 
 
 def denoising_steps(request: RenderRequest) -> int:

@@ -1,6 +1,7 @@
 """The memory ladder: rungs best first, the choice of a rung from free memory, and the
-out-of-memory rules (Ladder) that the renderer and `kiln doctor` both follow. Just over 300
-lines: the needs arithmetic (Fit), the choice and the rules are one policy, read together."""
+out-of-memory rules (Ladder) that the renderer and `kiln doctor` both follow. Over 300 lines:
+the needs arithmetic (Fit), the choice and the rules (loading, generating, decoding) are one
+policy, read together."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ _OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether exc is the recoverable failure the ladder answers by freeing memory or descending."""
+    """Whether exc is the recoverable failure the ladder answers by freeing memory or descending
+    (not OutOfMemory: that is the ladder's own verdict that no rule is left)."""
+    if isinstance(exc, OutOfMemory):
+        return False
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MARKERS)
@@ -247,6 +251,8 @@ class Ladder:
     - Generating: the exception is dropped first (its frames hold tensors), memory is freed and
       other pipelines evicted, then one retry on the same rung; if that fails too, auto descends
       one rung, reloads and retries once more; a pinned mode never descends.
+    - Decoding (decode(), inside a generating try): the denoised latents are kept and the decode
+      alone is retried, tiled on the same rung, then (auto) tiled one rung lower, reloaded.
     Each failed try is an Attempt (the caller's list, so results and records show them); when no
     rule is left, OutOfMemory names the model, the rung, why the ladder stopped and the attempts.
     """
@@ -255,6 +261,7 @@ class Ladder:
         self.model_id = model_id
         self.mode = mode
         self.attempts = attempts
+        self._decode_recorded = False  # decode() appended how the current try ended
 
     @property
     def pinned(self) -> bool:
@@ -293,6 +300,7 @@ class Ladder:
         lower; phase() names where the failed try stopped."""
         retried = descended = False
         while True:
+            self._decode_recorded = False
             try:
                 result = run(loaded)
             except Exception as exc:
@@ -300,7 +308,8 @@ class Ladder:
                     raise
                 detail = oom_detail(exc)
             else:
-                self.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
+                if not self._decode_recorded:
+                    self.attempts.append(Attempt(rung=loaded.rung, outcome="ok"))
                 return result
             self.attempts.append(
                 Attempt(rung=loaded.rung, outcome="oom", phase=phase(), detail=detail)
@@ -314,6 +323,58 @@ class Ladder:
                 raise OutOfMemory(self._message(loaded.rung, "generating"))
             descended = True
             loaded = reload(lower)
+
+    def decode(
+        self,
+        loaded: Loaded,
+        run: Callable[[Loaded, bool], tuple[T, str]],
+        reclaim: Callable[[], None],
+        reload: Callable[[Rung], Loaded],
+    ) -> tuple[T, Loaded]:
+        """run(loaded, tiled) decodes the latents it holds and says how ("tiled and sliced").
+        Out of memory there keeps them: free memory and decode again tiled; if that fails too,
+        auto reloads one rung lower (the VAE placed as that rung places it) and decodes tiled
+        there, so the text encode and the denoise never run twice; a pinned mode fails. Returns
+        the result and the pipeline it was decoded on; a retried success is the try's ok attempt,
+        its detail saying how it got there."""
+        done = self._decode_once(loaded, run, tiled=False)
+        if done is not None:
+            return done[0], loaded
+        reclaim()  # outside the except block: the failed decode's tensors died with it
+        done = self._decode_once(loaded, run, tiled=True)
+        if done is not None:
+            return self._decoded(loaded, done, f"decode retried {done[1]}")
+        reclaim()
+        lower = None if self.pinned else lower_rung(loaded.rung)
+        if lower is None:
+            raise OutOfMemory(self._message(loaded.rung, "decoding"))
+        lowered = reload(lower)
+        done = self._decode_once(lowered, run, tiled=True)
+        if done is None:
+            raise OutOfMemory(self._message(lowered.rung, "decoding"))
+        return self._decoded(lowered, done, f"decode retried {done[1]} one rung lower, at {lower}")
+
+    def _decode_once(
+        self, loaded: Loaded, run: Callable[[Loaded, bool], tuple[T, str]], tiled: bool
+    ) -> tuple[T, str] | None:
+        """run's result, or None after an out-of-memory attempt (the latents are kept)."""
+        try:
+            return run(loaded, tiled)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            detail = oom_detail(exc)
+        how = "tiled decode" if tiled else "decode"
+        self.attempts.append(
+            Attempt(rung=loaded.rung, outcome="oom", phase="decode", detail=f"{how}: {detail}")
+        )
+        return None
+
+    def _decoded(self, on: Loaded, done: tuple[T, str], how: str) -> tuple[T, Loaded]:
+        note = f"{how}; latents kept, text encode and denoise not run again"
+        self.attempts.append(Attempt(rung=on.rung, outcome="ok", phase="decode", detail=note))
+        self._decode_recorded = True
+        return done[0], on
 
     def _message(self, rung: Rung, when: str) -> str:
         if self.pinned:

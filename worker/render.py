@@ -40,7 +40,7 @@ from worker.errors import (
 )
 from worker.families import cfg_active
 from worker.faults import FaultPlan
-from worker.generate import generate
+from worker.generate import DecodeRules, generate
 from worker.ladder import (
     GB,
     Ladder,
@@ -132,12 +132,18 @@ class Renderer:
             with _named_pin(request, manifest.id, record.attempts):
                 loaded = self._ensure_loaded(manifest, choice.rung, pin, ladder, watch, record)
                 _checkpoint(ctx, "after loading")
-                # 4. Encode, denoise, decode; out of memory follows the ladder's rules.
+                # 4. Encode, denoise, decode; out of memory follows the ladder's rules, and one
+                #    in decode keeps the latents (Ladder.decode: tiled, then a rung lower).
+                reclaim = functools.partial(self._reclaim, watch, keep=manifest.id)
+                reload = functools.partial(
+                    self._reload, manifest, pin=pin, ladder=ladder, watch=watch, record=record
+                )
+                decode = functools.partial(ladder.decode, reclaim=reclaim, reload=reload)
                 images, loaded = ladder.generate(
                     loaded,
-                    run=lambda on: self._attempt(on, request, ctx, watch, record, sources),
-                    reclaim=lambda: self._reclaim(watch, keep=manifest.id),
-                    reload=lambda rung: self._reload(manifest, rung, pin, ladder, watch, record),
+                    run=lambda on: self._attempt(on, request, ctx, watch, record, sources, decode),
+                    reclaim=reclaim,
+                    reload=reload,
                     phase=lambda: watch.current,
                 )
             # A rung an OOM pushed this size down to is a ceiling for the next jobs at it.
@@ -317,8 +323,10 @@ class Renderer:
         watch: Stopwatch,
         record: TimingRecord,
         sources: dict[str, Image.Image],
+        decode: DecodeRules,
     ) -> tuple[list[Image.Image], LoadedPipeline]:
-        """One try on this pipeline; a compiled forward that fails once falls back to eager."""
+        """One try on this pipeline; a compiled forward that fails once falls back to eager.
+        Returns the pipeline that decoded: a lower rung's when decode descended."""
         while True:
             record.rung, record.dtype = loaded.rung, loaded.dtype_name
             record.compiled, record.settings = loaded.compiled, loaded.settings
@@ -331,7 +339,7 @@ class Renderer:
             mode = request.mode or "txt2img"
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             try:
-                images = generate(
+                images, decoded = generate(
                     loaded,
                     request,
                     ctx,
@@ -341,6 +349,7 @@ class Renderer:
                     faults=self.faults,
                     store=self.store,
                     sources=sources,
+                    decode=decode,
                 )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):
@@ -356,7 +365,7 @@ class Renderer:
                 loaded.recompiles += built
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
-            return images, loaded
+            return images, decoded
 
     def _apply_loras(
         self, loaded: LoadedPipeline, request: RenderRequest, watch: Stopwatch, record: TimingRecord

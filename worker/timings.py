@@ -75,6 +75,9 @@ class TimingRecord(BaseModel):
     strength: float | None = None  # img2img and inpaint: how much of the input was re-noised
     scheduler: str | None = None  # the scheduler class the pipeline ran with
     per_step_s: float | None = None
+    # Denoiser steps run for this job over all its tries: `steps` when it denoised once; more when
+    # out of memory ran the denoise again (out of memory in decode does not: the latents are kept).
+    steps_denoised: int = 0
     width: int | None = None
     height: int | None = None
     num_images: int | None = None

@@ -1,8 +1,11 @@
-"""The VAE a pipeline decodes with: a manifest's `vae:` override, and the fp32 upcast an fp16
-SDXL VAE needs, made once at load so it holds at every rung."""
+"""The VAE a pipeline decodes with: a manifest's `vae:` override, the fp32 upcast an fp16
+SDXL VAE needs, made once at load so it holds at every rung, and the tiled VAE a decode retried
+after out of memory runs with."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,3 +48,27 @@ def upcast_before_placement(loaded: LoadedPipeline) -> None:
         "fp16 VAE overflows (force_upcast): kept in fp32 from load, at every rung;"
         " a manifest `vae:` such as madebyollin/sdxl-vae-fp16-fix avoids it",
     )
+
+
+@contextmanager
+def tiled(vae: Any) -> Iterator[str]:
+    """The VAE with tiling (and slicing, where it has it) on for one decode, then as it was: a
+    decode retried after out of memory (worker.ladder's decode rules) trades a little speed and
+    seam blending for a bounded peak, and the next job decodes as its load's switches said.
+    Yields what the retry ran with, for the attempt's detail."""
+    switches = (
+        ("use_tiling", "enable_tiling", "tiled"),
+        ("use_slicing", "enable_slicing", "sliced"),
+    )
+    was = {flag: getattr(vae, flag, None) for flag, _, _ in switches}
+    used = []
+    for _flag, enable, word in switches:
+        if hasattr(vae, enable):
+            getattr(vae, enable)()
+            used.append(word)
+    try:
+        yield " and ".join(used) if used else "as it was (this VAE has neither tiling nor slicing)"
+    finally:
+        for flag, value in was.items():
+            if value is not None:
+                setattr(vae, flag, value)
