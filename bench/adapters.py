@@ -88,6 +88,7 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
         started = time.perf_counter()
         slotted.pipe_for("img2img")
         derive = (time.perf_counter() - started) * 1000
+    steps = _step_ms([plain, slotted], manifest, repeats)
     return {
         "model": model,
         "load_s": plain.load_s,
@@ -95,25 +96,26 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
         "swap_ms": statistics.median(swaps) * 1000,
         "scale_ms": statistics.median(scales) * 1000,
         "derive_ms": derive,
-        "step_ms": _step_ms(plain, manifest, repeats),
-        "step_slots_ms": _step_ms(slotted, manifest, repeats),
+        "step_ms": steps[0],
+        "step_slots_ms": steps[1],
     }
 
 
-def _step_ms(loaded: Any, manifest: Any, repeats: int) -> float:
-    """One denoiser forward at the manifest's first size, median of repeats (after one warm)."""
+def _step_ms(pair: list[Any], manifest: Any, repeats: int) -> list[float]:
+    """One denoiser forward of each pipeline at the manifest's first size, interleaved (so both
+    see the same machine noise), median of repeats after one warm forward each."""
     import torch
 
-    denoiser = loaded.denoiser
-    args, kwargs = _denoiser_inputs(loaded, manifest)
-    times = []
+    calls = [(loaded.denoiser, *_denoiser_inputs(loaded, manifest)) for loaded in pair]
+    times: list[list[float]] = [[] for _ in pair]
     with torch.inference_mode():
         for i in range(repeats + 1):
-            started = time.perf_counter()
-            denoiser(*args, **kwargs)
-            if i:
-                times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+            for index, (denoiser, args, kwargs) in enumerate(calls):
+                started = time.perf_counter()
+                denoiser(*args, **kwargs)
+                if i:
+                    times[index].append(time.perf_counter() - started)
+    return [statistics.median(t) * 1000 for t in times]
 
 
 def _denoiser_inputs(loaded: Any, manifest: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
