@@ -28,7 +28,8 @@ PHASES: tuple[str, ...] = (
 Mode = Literal["txt2img", "img2img", "inpaint", "edit"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 # The memory ladder's rungs, best first: declared here once, for the worker and the client.
-Rung = Literal["full", "model_offload", "group_offload"]
+# partial: as many denoiser blocks resident as fit, the rest streamed (worker/partial.py).
+Rung = Literal["full", "partial", "model_offload", "group_offload"]
 RUNGS: tuple[Rung, ...] = get_args(Rung)
 MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**32 - 1

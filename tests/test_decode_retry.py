@@ -66,29 +66,29 @@ def test_decode_oom_twice_decodes_one_rung_lower_without_denoising_again(
     redis_conn: Redis, make_settings: Any, model: str
 ) -> None:
     result, record = drill(redis_conn, make_settings(faults="oom@decode:full*2"), model)
-    assert result.rung == "model_offload" and len(result.images) == 1
+    assert result.rung == "partial" and len(result.images) == 1
     assert tried(result.attempts) == [
         ("full", "oom", "decode"),
         ("full", "oom", "decode"),
-        ("model_offload", "ok", "decode"),
+        ("partial", "ok", "decode"),
     ]
     assert (result.attempts[1].detail or "").startswith("tiled decode: KILN_FAULTS drill")
     assert result.attempts[2].detail == (
-        f"decode retried tiled and sliced one rung lower, at model_offload; {KEPT}"
+        f"decode retried tiled and sliced one rung lower, at partial; {KEPT}"
     )
-    assert record.steps_denoised == ONE_DENOISE[model] and record.rung == "model_offload"
+    assert record.steps_denoised == ONE_DENOISE[model] and record.rung == "partial"
 
 
 def test_decode_oom_at_both_rungs_fails_naming_model_and_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(faults="oom@decode:full*2,oom@decode:model_offload")
+    settings = make_settings(faults="oom@decode:full*2,oom@decode:partial")
     message, record = failed_drill(redis_conn, settings)
-    assert "tiny-sd15 ran out of memory while decoding at rung model_offload" in message
+    assert "tiny-sd15 ran out of memory while decoding at rung partial" in message
     assert tried(record.attempts) == [
         ("full", "oom", "decode"),
         ("full", "oom", "decode"),
-        ("model_offload", "oom", "decode"),
+        ("partial", "oom", "decode"),
     ]
     assert record.steps_denoised == ONE_DENOISE[MODEL]
 
@@ -140,6 +140,6 @@ def test_kiln_worker_drills_a_decode_oom_end_to_end(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = handle.wait(timeout=5)
     assert [a.outcome for a in result.attempts] == ["oom", "oom", "ok"]
-    assert result.rung == "model_offload"
+    assert result.rung == "partial"
     [record] = records(settings.timings_log)
     assert record.status == "done" and record.steps_denoised == ONE_DENOISE[MODEL]

@@ -9,7 +9,7 @@ import pytest
 from redis import Redis
 
 from api_client import RenderFailed
-from api_client.schema import RenderResult
+from api_client.schema import RUNGS, RenderResult
 from tests.helpers import burst, client_for, make_renderer, records
 from worker.errors import InvalidFaults, device_lost
 from worker.faults import FaultPlan
@@ -33,7 +33,7 @@ def outcomes(result: RenderResult) -> list[tuple[str, str, str | None]]:
     return [(a.rung, a.outcome, a.phase) for a in result.attempts]
 
 
-@pytest.mark.parametrize("rung", ["full", "model_offload", "group_offload"])
+@pytest.mark.parametrize("rung", ["full", "partial", "model_offload", "group_offload"])
 def test_each_rung_renders_when_pinned(redis_conn: Redis, make_settings: Any, rung: str) -> None:
     settings = make_settings(memory_mode=rung)
     result = render(redis_conn, settings)
@@ -41,6 +41,7 @@ def test_each_rung_renders_when_pinned(redis_conn: Redis, make_settings: Any, ru
     assert len(result.images) == 1 and result.timings.denoise > 0
     tiling = "applied" if rung != "full" else "skipped"
     assert "vae_tiling" in result.settings.names(tiling)
+    assert ("partial" in result.settings.names("applied")) == (rung == "partial")
     [record] = records(settings.timings_log)
     assert record.rung == rung and record.rung_reason == f"pinned by KILN_MEMORY_MODE={rung}"
 
@@ -49,6 +50,7 @@ def test_each_rung_renders_when_pinned(redis_conn: Redis, make_settings: Any, ru
     ("budget", "reserve", "rung", "reason"),
     [
         (1.0, 0.0, "full", "needs 0.10 GB"),  # tiny-sd15: full needs 0.1
+        (0.09, 0.0, "partial", "needs 0.08 GB, 0.09 GB usable"),
         (0.07, 0.0, "model_offload", "needs 0.05 GB, 0.07 GB usable"),
         (0.03, 0.0, "group_offload", "needs 0.02 GB, 0.03 GB usable"),
         (0.01, 0.0, "group_offload", "no rung fits"),
@@ -92,15 +94,15 @@ def test_choice_counts_memory_that_evicting_others_would_free(
 
 def test_load_oom_descends_one_rung(redis_conn: Redis, make_settings: Any) -> None:
     result = render(redis_conn, make_settings(faults="oom@load:full"))
-    assert result.rung == "model_offload"
-    assert outcomes(result) == [("full", "oom", "load"), ("model_offload", "ok", None)]
+    assert result.rung == "partial"
+    assert outcomes(result) == [("full", "oom", "load"), ("partial", "ok", None)]
     assert "KILN_FAULTS drill" in (result.attempts[0].detail or "")
 
 
 def test_load_oom_on_every_rung_fails_and_the_worker_goes_on(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(faults="oom@load:full,oom@load:model_offload,oom@load:group_offload")
+    settings = make_settings(faults=",".join(f"oom@load:{rung}" for rung in RUNGS))
     client = client_for(redis_conn, settings)
     doomed = client.submit(JOB)
     fine = client.submit({**JOB, "seed": 4})
@@ -111,11 +113,7 @@ def test_load_oom_on_every_rung_fails_and_the_worker_goes_on(
         doomed.wait(timeout=10)
     assert fine.wait(timeout=10).rung == "full"  # the drills are spent; the next job loads at full
     failed = records(settings.timings_log)[0]
-    assert [(a.rung, a.phase) for a in failed.attempts] == [
-        ("full", "load"),
-        ("model_offload", "load"),
-        ("group_offload", "load"),
-    ]
+    assert [(a.rung, a.phase) for a in failed.attempts] == [(rung, "load") for rung in RUNGS]
 
 
 def test_denoise_oom_once_is_survived_by_the_same_rung_retry(
@@ -131,11 +129,11 @@ def test_generation_oom_twice_descends_reloads_and_retries(
     redis_conn: Redis, make_settings: Any, phase: str
 ) -> None:
     result = render(redis_conn, make_settings(faults=f"oom@{phase}:full*2"))
-    assert result.rung == "model_offload"
+    assert result.rung == "partial"
     assert outcomes(result) == [
         ("full", "oom", phase),
         ("full", "oom", phase),
-        ("model_offload", "ok", None),
+        ("partial", "ok", None),
     ]
     assert result.timings.load > 0  # the reload at the lower rung is charged to load
 
@@ -155,19 +153,19 @@ def test_the_new_families_drill_each_phase_on_its_own(
     assert outcomes(result) == [
         ("full", "oom", phase),
         ("full", "oom", phase),
-        ("model_offload", "ok", "decode" if phase == "decode" else None),
+        ("partial", "ok", "decode" if phase == "decode" else None),
     ]
-    assert result.rung == "model_offload" and len(result.images) == 1
+    assert result.rung == "partial" and len(result.images) == 1
 
 
 def test_generation_oom_after_descending_fails_naming_model_and_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(faults="oom@denoise:full*2,oom@denoise:model_offload")
+    settings = make_settings(faults="oom@denoise:full*2,oom@denoise:partial")
     handle = client_for(redis_conn, settings).submit(JOB)
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
     with pytest.raises(
-        RenderFailed, match=r"tiny-sd15 ran out of memory while generating at rung model_offload"
+        RenderFailed, match=r"tiny-sd15 ran out of memory while generating at rung partial"
     ):
         handle.wait(timeout=10)
     [record] = records(settings.timings_log)
@@ -175,7 +173,7 @@ def test_generation_oom_after_descending_fails_naming_model_and_rung(
     assert [(a.rung, a.outcome, a.phase) for a in record.attempts] == [
         ("full", "oom", "denoise"),
         ("full", "oom", "denoise"),
-        ("model_offload", "oom", "denoise"),
+        ("partial", "oom", "denoise"),
     ]
 
 
@@ -202,10 +200,10 @@ def test_the_rung_that_worked_is_remembered_per_model_and_size(
     settings = make_settings(faults="oom@denoise:full*2")
     renderer = make_renderer(settings, [MODEL])
     first = render(redis_conn, settings, renderer)
-    assert first.rung == "model_offload"
+    assert first.rung == "partial"
     renderer.cache.evict(MODEL)  # so the choice cannot come from the resident pipeline
     second = render(redis_conn, settings, renderer, seed=5)
-    assert second.rung == "model_offload" and outcomes(second) == [("model_offload", "ok", None)]
+    assert second.rung == "partial" and outcomes(second) == [("partial", "ok", None)]
     assert records(settings.timings_log)[-1].rung_reason.startswith("remembered")  # type: ignore[union-attr]
     renderer.cache.evict(MODEL)
     other_size = render(redis_conn, settings, renderer, width=192, height=128)

@@ -35,9 +35,9 @@ REAL_MODEL = {
 MATRIX_PROFILES = [*PROFILES, "t4:5"]
 FAMILIES = list(REAL_MODEL)
 UNETS = ("sd15", "sdxl")
-# Budgets that land a tiny model (full 0.1 GB, model_offload 0.05, group_offload 0.02 at 16 bit;
-# twice that in fp32) on a rung.
-TINY_BUDGET = {"full": None, "model_offload": 0.07, "group_offload": 0.03}
+# Budgets that land a tiny model (full 0.1 GB, partial 0.08, model_offload 0.05, group_offload
+# 0.02 at 16 bit; twice that in fp32) on a rung.
+TINY_BUDGET = {"full": None, "partial": 0.09, "model_offload": 0.07, "group_offload": 0.03}
 # The rungs the real models get where they do not fit fully (all others: full), as the README's
 # table of plans shows: a T4 plans with 15 GiB free = 16.11 GB - 0.5 reserve = 15.61 GB, at 5 GiB
 # free with 4.87 GB, and the flow transformers run fp32 there (no bf16), which doubles their needs.
@@ -49,8 +49,10 @@ LOW_RUNGS = {
     ("qwenimage", "l4"): "model_offload",  # qwen-image: 37.75 GB resident even quantized
     ("qwenimage", "mps"): "model_offload",
     ("zimage", "t4"): "group_offload",
-    ("zimage", "l4"): "model_offload",  # z-image-turbo: 26 GB resident
-    ("zimage", "mps"): "model_offload",
+    # z-image-turbo: 26 GB resident; partial needs 20.8 at its least (ladder.DEFAULT_SHARE of
+    # min_vram_gb), within the L4's 23 GiB free.
+    ("zimage", "l4"): "partial",
+    ("zimage", "mps"): "partial",
     **{(family, "t4:5"): "group_offload" for family in FAMILIES if family != "sd15"},
 }
 FP8_CARDS = {name for name, profile in PROFILES.items() if profile.fp8}

@@ -26,7 +26,7 @@ from worker.faults import FaultPlan
 from worker.resident import LoadedPipeline
 from worker.store import Store
 from worker.switches import preview_steps
-from worker.timings import Stopwatch, TimingRecord
+from worker.timings import PartialBlocks, Stopwatch, TimingRecord
 from worker.vae import tiled
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ def generate(
     count, seed = request.num_images, int(request.seed or 0)
     shape = (request.width or 0, request.height or 0, count)
     record.cold = record.cold or shape not in loaded.warm_shapes
+    split, record.partial_blocks = loaded.partial, None
+    if split is not None:
+        record.partial_blocks = PartialBlocks(resident=split.resident, streamed=split.streamed)
     # Generators live on the CPU so a seed gives the same image on every device.
     generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)]
     dev.reset_peak(info)

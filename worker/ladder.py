@@ -14,6 +14,7 @@ import torch
 from api_client.manifest import Manifest
 from api_client.schema import RUNGS, Attempt, Rung
 from worker.errors import OutOfMemory
+from worker.families import spec_of
 from worker.quantize import SIZE_VS_16BIT
 
 GB = 1e9
@@ -56,32 +57,45 @@ def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
     rung_vram_gb (else a conservative share of min_vram_gb) below it, twice that in fp32.
 
     With component_gb, the figures are split into the weights a rung holds on the device (every
-    component at full, the largest one at model_offload, none at group_offload) and the working
+    component at full; at partial every one but the denoiser, which counts at
+    PARTIAL_DENOISER_SHARE; the largest one at model_offload; none at group_offload) and the working
     memory beside them; each held component then counts at its own size (quantized: the
     scheme's bytes) and only the rest scales with fp32."""
     scale = 2.0 if fit.fp32 else 1.0
     if rung == "full":
         declared = manifest.min_vram_gb
     else:
-        default_share = {"model_offload": 0.6, "group_offload": 0.25}[rung]
-        declared = manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * default_share)
+        declared = manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * DEFAULT_SHARE[rung])
     sizes = manifest.component_gb
     if not sizes:
         return declared * scale
-    held = _held_components(sizes, rung)
-    working = max(declared - sum(sizes[c] for c in held), 0.0)
+    held = _held_components(sizes, rung, spec_of(manifest.family).denoiser)
+    working = max(declared - sum(sizes[c] * share for c, share in held.items()), 0.0)
     weights = sum(
-        sizes[c] * (SIZE_VS_16BIT[fit.quantized[c]] if c in fit.quantized else scale) for c in held
+        sizes[c] * share * (SIZE_VS_16BIT[fit.quantized[c]] if c in fit.quantized else scale)
+        for c, share in held.items()
     )
     return working * scale + weights
 
 
-def _held_components(sizes: Mapping[str, float], rung: Rung) -> list[str]:
+# Shares of min_vram_gb a lower rung needs where the manifest declares no rung_vram_gb for it.
+# partial's is its least (one block resident) before a load measures the blocks (worker.partial):
+# the denoiser's blocks are most of a model's weights; a real split keeps more where they fit.
+DEFAULT_SHARE = {"partial": 0.8, "model_offload": 0.6, "group_offload": 0.25}
+# With component_gb: the share of the denoiser partial holds at its least (non-block parts and
+# one block); every other component stays resident there, as at full.
+PARTIAL_DENOISER_SHARE = 0.25
+
+
+def _held_components(sizes: Mapping[str, float], rung: Rung, denoiser: str) -> dict[str, float]:
+    """Component -> the share of it a rung holds on the device at its peak."""
     if rung == "full":
-        return list(sizes)
+        return dict.fromkeys(sizes, 1.0)
+    if rung == "partial":
+        return {c: PARTIAL_DENOISER_SHARE if c == denoiser else 1.0 for c in sizes}
     if rung == "model_offload":  # one component on the device at a time: the largest sets the peak
-        return [max(sizes, key=lambda c: sizes[c])]
-    return []
+        return {max(sizes, key=lambda c: sizes[c]): 1.0}
+    return {}
 
 
 @dataclass(frozen=True)

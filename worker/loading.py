@@ -15,8 +15,10 @@ from worker.adapters import AdapterSlots
 from worker.device import DeviceInfo
 from worker.families import check_installed, spec_for, spec_of
 from worker.faults import FaultPlan
-from worker.ladder import Fit
+from worker.ladder import Fit, rung_need_gb
+from worker.ladder import usable_gb as ladder_usable
 from worker.manifest import weights_source
+from worker.partial import PartialSplit, place_partial, split_for
 from worker.quantize import pick_schemes
 from worker.resident import DTYPES, LoadedPipeline
 from worker.settings import Settings
@@ -66,9 +68,12 @@ def load_pipeline(
     settings: Settings,
     faults: FaultPlan,
     compile_pin: bool | None = None,
+    usable_gb: float | None = None,
 ) -> LoadedPipeline:
     """from_pretrained on the host, then quantize, switch, place on the rung, compile at full
-    (or as compile_pin, a request's, says: switches.compile_plan)."""
+    (or as compile_pin, a request's, says: switches.compile_plan). usable_gb: what the partial
+    rung splits the denoiser's blocks by (None: the device's free memory now, less the reserve
+    and capped by the budget)."""
     started = time.perf_counter()
     before = dev.allocated_bytes(info)
     # 1. Resolve the weights and precision.
@@ -108,7 +113,10 @@ def load_pipeline(
     apply_switches(loaded, info, settings)
     _prepare_adapters(loaded, settings)
     upcast_before_placement(loaded)
-    _place(pipe, rung, info)
+    if rung == "partial":
+        loaded.partial = _split(loaded, info, settings, usable_gb)
+        report.add("applied", "partial", loaded.partial.reason)
+    _place(loaded, info)
     apply_compile(loaded, info, settings)
     dev.synchronize(info)
     loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
@@ -141,7 +149,7 @@ def place_again(loaded: LoadedPipeline, info: DeviceInfo, faults: FaultPlan) -> 
     started = time.perf_counter()
     before = dev.allocated_bytes(info)
     faults.check("load", loaded.rung)
-    _place(loaded.pipe, loaded.rung, info)
+    _place(loaded, info)
     dev.synchronize(info)
     loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
     loaded.load_s = time.perf_counter() - started
@@ -169,16 +177,32 @@ def _set_scheduler(pipe: Any, manifest: Manifest) -> None:
     pipe.scheduler = scheduler_cls.from_config(pipe.scheduler.config, **overrides)
 
 
-def _place(pipe: Any, rung: Rung, info: DeviceInfo) -> None:
+def _split(
+    loaded: LoadedPipeline, info: DeviceInfo, settings: Settings, usable: float | None
+) -> PartialSplit:
+    """The partial rung's split of the denoiser's blocks, from their measured bytes."""
+    manifest = loaded.manifest
+    if usable is None:
+        free = dev.free_bytes(info)
+        usable = ladder_usable(free, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
+    full_need = rung_need_gb(manifest, "full", fit_for(manifest, info, settings))
+    return split_for(loaded.denoiser, usable, full_need)
+
+
+def _place(loaded: LoadedPipeline, info: DeviceInfo) -> None:
     """Put the pipeline on its rung; on CPU the offload rungs run for real, onloading to the CPU."""
+    pipe, rung = loaded.pipe, loaded.rung
     target = torch.device(info.torch_device)
+    # Streams need the real device to have them, whatever card the decisions are made as.
+    cuda = target.type == "cuda" and info.streams
     if rung == "full":
         pipe.to(target)
+    elif rung == "partial":
+        assert loaded.partial is not None, "rung partial is placed with its split"
+        place_partial(pipe, loaded.denoiser, loaded.partial, target, cuda)
     elif rung == "model_offload":
         pipe.enable_model_cpu_offload(device=target)
     else:
-        # Streams need the real device to have them, whatever card the decisions are made as.
-        cuda = target.type == "cuda" and info.streams
         pipe.enable_group_offload(
             onload_device=target,
             offload_device=torch.device("cpu"),

@@ -98,8 +98,11 @@ def _switches(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: S
             add(("applied", "vae_upcast", "stock SDXL VAE overflows in fp16: fp32 from load"))
         else:
             add(("skipped", "vae_upcast", f"manifest vae {manifest.vae} (if force_upcast false)"))
+    streams = "stream prefetch" if info.streams else "no copy streams: synchronous onload"
+    if plan.rung == "partial":
+        why = "as many denoiser blocks resident as fit (counted from the loaded blocks' bytes),"
+        add(("applied", "partial", f"{why} the rest streamed at leaf level, {streams}"))
     if plan.rung == "group_offload":
-        streams = "stream prefetch" if info.streams else "no copy streams: synchronous onload"
         add(("applied", "group_offload", f"leaf level, {streams}"))
     _compile(plan, manifest, info, settings)
     if decided["taesd_preview"].kind == "applied":

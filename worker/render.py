@@ -278,7 +278,8 @@ class Renderer:
             if kept is not None:  # kept at another rung or compile state: not this job's
                 self.cache.release(kept)
             record.load_source = "disk"
-            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin)
+            room = self.usable_gb(reclaim=False)  # what a partial load splits its blocks by
+            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin, room)
 
         with watch.phase("load"):
             if resident is not None:
@@ -379,11 +380,12 @@ class Renderer:
             if choices:  # the manifest allowed none, and resolve_request said so at submit
                 raise AdapterRefused(f"model {loaded.manifest.id}: this pipeline has no adapters")
             return frozenset()
-        if choices and loaded.rung == "group_offload" and self.info.streams:
+        if choices and loaded.rung in ("partial", "group_offload") and self.info.streams:
             raise AdapterRefused(
-                f"model {loaded.manifest.id}: loras at rung group_offload with CUDA streams:"
-                " the offload keeps pinned copies of every weight, which a hotswap would not"
-                " reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on this card"
+                f"model {loaded.manifest.id}: loras at rung {loaded.rung} with CUDA streams:"
+                " the offload keeps pinned copies of the weights it streams, which a hotswap"
+                " would not reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on"
+                " this card"
             )
         if slots.differs(choices):
             with watch.phase("load"):

@@ -21,6 +21,7 @@ from worker import device as dev
 from worker.adapters import AdapterSlots
 from worker.device import DeviceInfo
 from worker.families import spec_of
+from worker.partial import PartialSplit
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class LoadedPipeline:
     adapters: AdapterSlots | None = None  # LoRA slots, where the manifest allows loras
     adapter_sets: set[frozenset[str]] = field(default_factory=set)  # LoRA sets run, so far
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
+    partial: PartialSplit | None = None  # at the partial rung: its denoiser's blocks, split
 
     @property
     def dtype_name(self) -> str:

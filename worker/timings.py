@@ -57,6 +57,14 @@ class Stopwatch:
         return Timings(queue_wait=queue_wait, total=self.elapsed(), **self.seconds)
 
 
+class PartialBlocks(BaseModel):
+    """At the partial rung: how many of the denoiser's blocks stayed on the device (at least one)
+    and how many were streamed in at each step."""
+
+    resident: int
+    streamed: int
+
+
 class TimingRecord(BaseModel):
     """What an operator reads per job: phases, where it ran, and what was applied or skipped."""
 
@@ -78,6 +86,7 @@ class TimingRecord(BaseModel):
     # Denoiser steps run for this job over all its tries: `steps` when it denoised once; more when
     # out of memory ran the denoise again (out of memory in decode does not: the latents are kept).
     steps_denoised: int = 0
+    partial_blocks: PartialBlocks | None = None  # the split, when the denoise ran at partial
     width: int | None = None
     height: int | None = None
     num_images: int | None = None
