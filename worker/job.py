@@ -25,6 +25,9 @@ from worker.store import Store
 from worker.timings import TimingRecord
 
 log = logging.getLogger(__name__)
+# A job whose worker died under it this many times is failed and quarantined, not run again.
+POISON_DEATHS = 2
+DEATHS_FIELD = "kiln_deaths"  # job.meta: [{worker, phase}] of each run that died
 LEASE_LOST = (
     "lease lost: its heartbeat lapsed (this worker stalled or lost Redis) and the job went back "
     "to its queue; this worker stopped it and wrote nothing"
@@ -116,23 +119,44 @@ class RenderJob(Job):
         return problems
 
     def execute_failure_callback(self, death_penalty_class: Any, *exc_info: Any) -> None:
-        # rq's clean-up calls this for each abandoned job (no callback ever runs here). One with
-        # no retries left has had its worker die under it every time: note it as a killer.
-        if exc_info and exc_info[0] is AbandonedJobError and not self.retries_left:
+        # rq's clean-up calls this for each abandoned job (no callback ever runs here), then
+        # re-queues it while retries are left. Each death is noted with where it happened; a
+        # job whose workers died under it POISON_DEATHS times is a poison job (it kills what
+        # runs it: an OOM kill, a segfault) and is failed now instead of killing another.
+        if not exc_info or exc_info[0] is not AbandonedJobError:
+            return
+        deaths = [*self.meta.get(DEATHS_FIELD, []), self._death()]
+        self.meta[DEATHS_FIELD] = deaths
+        reason = None
+        if len(deaths) >= POISON_DEATHS:
+            self.retries_left = 0  # rq's clean-up reads it next: the job fails, not re-queued
+            reason = poison_reason(deaths)
+        elif not self.retries_left:
             runs = (self.number_of_retries or 0) + 1
             reason = (
                 f"abandoned {runs} time(s): its worker died running it (last: {self.worker_name})"
             )
-            quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
-            # rq fails it next: its event stream ends (and expires) as any failed job's does.
-            model = keys.model_of(self.origin) if self.origin else None
-            failed = JobEvent(
-                kind="failed", job_id=self.id, model=model, at=events.now(), error=reason
-            )
-            with self.connection.pipeline(transaction=False) as pipe:
-                job_events.add_ended(pipe, [failed])
-                queue_webhook(pipe, webhook_target(_request_of(self)), failed)
-                pipe.execute()
+        if reason is None:
+            self.save_meta()  # type: ignore[no-untyped-call]
+            return
+        record_error(self, "WorkerDied", reason)  # what a client's wait says, not rq's words
+        quarantine.note_killer(self.connection, self.id, reason, self.origin or None)
+        # rq fails it next: its event stream ends (and expires) as any failed job's does.
+        model = keys.model_of(self.origin) if self.origin else None
+        failed = JobEvent(kind="failed", job_id=self.id, model=model, at=events.now(), error=reason)
+        with self.connection.pipeline(transaction=False) as pipe:
+            job_events.add_ended(pipe, [failed])
+            queue_webhook(pipe, webhook_target(_request_of(self)), failed)
+            pipe.execute()
+
+    def _death(self) -> dict[str, str]:
+        """Where the run that just died was: its worker and the phase of its newest progress."""
+        try:
+            progress = events.latest_progress(self.connection, keys.events_key(self.id))
+        except Exception:  # an unreadable stream: the death still counts
+            progress = None
+        phase = progress.phase if progress is not None else "load"  # no step reported yet
+        return {"worker": str(self.worker_name or "an unnamed worker"), "phase": phase}
 
     @property
     def success_callback(self) -> None:
@@ -153,6 +177,17 @@ class RenderJob(Job):
 
     def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
         return None
+
+
+def poison_reason(deaths: list[dict[str, str]]) -> str:
+    """The cause, e.g. `killed in denoise on workers A and B` (each death's phase where they
+    differ)."""
+    workers = [d["worker"] for d in deaths]
+    phases = {d["phase"] for d in deaths}
+    if len(phases) == 1:
+        named = ", ".join(workers[:-1]) + f" and {workers[-1]}"
+        return f"killed in {phases.pop()} on workers {named}"
+    return "killed " + ", then ".join(f"in {d['phase']} on {d['worker']}" for d in deaths)
 
 
 def record_error(job: Job, kind: str, message: str) -> None:
