@@ -78,6 +78,16 @@ def _reachable(url: str) -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def _no_measured_peaks(redis_url: str) -> None:
+    """Every test plans from the manifests until it measures something itself: what an earlier
+    test's jobs measured (kiln:peaks, shared like a fleet's) would change its placements."""
+    from worker.peaks import KEY
+
+    with Redis.from_url(redis_url) as conn:
+        conn.delete(KEY)
+
+
 @pytest.fixture
 def redis_conn(redis_url: str) -> Iterator[Redis]:
     conn = Redis.from_url(redis_url)

@@ -168,12 +168,44 @@ def allocated_bytes(info: DeviceInfo) -> int:
 def reset_peak(info: DeviceInfo) -> None:
     if info.torch_device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(info.torch_device)
+    elif info.torch_device == "cpu":
+        _reset_host_peak()
 
 
 def peak_bytes(info: DeviceInfo) -> int | None:
-    """Peak device memory since reset_peak; None where torch does not track it (CPU)."""
+    """Peak device memory since reset_peak (CPU: the process's peak resident set, as allocated
+    is its resident set); None where neither is tracked (MPS, a kernel without clear_refs)."""
     if info.torch_device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated(info.torch_device))
+    if info.torch_device == "cpu":
+        return _host_peak_bytes()
+    return None
+
+
+_host_peak_reset = False  # whether VmHWM counts from the last reset_peak, not from process start
+
+
+def _reset_host_peak() -> None:
+    # Linux resets VmHWM, the resident set's high-water mark, on a 5 written to clear_refs.
+    global _host_peak_reset
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        _host_peak_reset = True
+    except OSError:
+        _host_peak_reset = False
+
+
+def _host_peak_bytes() -> int | None:
+    if not _host_peak_reset:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
     return None
 
 

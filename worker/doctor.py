@@ -14,15 +14,16 @@ from redis.exceptions import RedisError
 
 from api_client.connection import connect
 from api_client.redact import redact
-from api_client.schema import Attempt, Rung, SettingsReport
+from api_client.schema import RUNGS, Attempt, Rung, SettingsReport
 from worker import device as dev
 from worker import quiet
 from worker.compile import compile_available
 from worker.device import DeviceInfo
 from worker.errors import OutOfMemory
 from worker.faults import FaultPlan
-from worker.ladder import GB, Ladder, pick_rung, usable_gb
-from worker.loading import load_pipeline
+from worker.ladder import GB, Ladder, pick_rung, rung_need_gb, usable_gb
+from worker.loading import fit_for, load_pipeline
+from worker.peaks import WRONG_BY, Comparison, PeakBook, card_kind, comparisons
 from worker.plan import ModelPlan, plan_model
 from worker.quantize import torchao_version, try_scheme, unsupported_reason
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
@@ -60,6 +61,8 @@ class DoctorReport:
     redis: str
     redis_ok: bool
     model: ModelCheck | None = None
+    # What this card kind measured (kiln:peaks) beside what the manifests declare.
+    measured: list[Comparison] = field(default_factory=list)
     plans: list[ModelPlan] | None = None  # with --profile: every manifest on that card
     served: tuple[str, ...] = ()  # the plans' models a worker would serve (not benchmark_only)
 
@@ -110,6 +113,17 @@ def _json_report(report: DoctorReport) -> list[dict[str, object]] | dict[str, ob
         "compile": report.compile,
         "torchao": report.torchao,
         "redis": report.redis,
+        "measured": [
+            {
+                "shape": c.shape,
+                "rung": c.rung,
+                "jobs": c.jobs,
+                "measured_gb": round(c.measured_gb, 3),
+                "declared_gb": round(c.declared_gb, 3),
+                "wrong": c.wrong,
+            }
+            for c in report.measured
+        ],
         "ok": report.ok,
         "model": None if report.model is None else report.model.error or report.model.rung,
     }
@@ -143,7 +157,36 @@ def collect(settings: Settings, model: str | None = None) -> DoctorReport:
         redis=redis_line,
         redis_ok=redis_ok,
         model=_check_model(settings, info, model) if model else None,
+        measured=_measured(settings, info) if redis_ok else [],
     )
+
+
+def _measured(settings: Settings, info: DeviceInfo) -> list[Comparison]:
+    """kiln:peaks for this card kind, each beside the need its manifest declares."""
+    from api_client.manifest import load_manifest_dir
+
+    manifests, _failures = load_manifest_dir(settings.manifests)
+    book = PeakBook(connect(settings.redis_url), card_kind(info.name, info.simulated))
+    book.read()
+
+    def declared(model: str, rung: str) -> float | None:
+        manifest = manifests.get(model)
+        if manifest is None or rung not in RUNGS:
+            return None
+        return rung_need_gb(manifest, rung, fit_for(manifest, info, settings))
+
+    return comparisons(book, declared)
+
+
+def _measured_lines(measured: list[Comparison]) -> list[str]:
+    lines = ["measured (kiln:peaks, this card kind; needs without the planning margin)"]
+    for c in measured:
+        flag = f" (the manifest is off by more than {WRONG_BY:.0%})" if c.wrong else ""
+        lines.append(
+            f"  {c.shape} {c.rung}: measured {c.measured_gb:.2f} GB over {c.jobs} job(s),"
+            f" declared {c.declared_gb:.2f} GB ({c.off:+.0%}){flag}"
+        )
+    return lines
 
 
 def format_report(report: DoctorReport, settings: Settings) -> str:
@@ -172,6 +215,8 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
     ]
     if info.simulated is not None:
         lines[1:1] = _profile_lines(info)
+    if report.measured:
+        lines += _measured_lines(report.measured)
     if report.plans is not None:
         lines += _plan_lines(report.plans, report.served)
     if report.model is not None:

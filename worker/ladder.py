@@ -50,10 +50,14 @@ class Fit:
 
     fp32: bool = False
     quantized: Mapping[str, str] = field(default_factory=dict)  # component -> scheme applied
+    # GB per rung measured on this card kind for the job's shape (worker.peaks), margin included;
+    # a rung named here plans with it instead of the manifest's figures.
+    measured: Mapping[str, float] = field(default_factory=dict)
 
 
 def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
-    """Memory a rung needs on a card, from the manifest's 16-bit figures: min_vram_gb for full,
+    """Memory a rung needs on a card: what this card kind measured for the job's shape when it
+    has (fit.measured), else from the manifest's 16-bit figures: min_vram_gb for full,
     rung_vram_gb (else a conservative share of min_vram_gb) below it, twice that in fp32.
 
     With component_gb, the figures are split into the weights a rung holds on the device (every
@@ -61,6 +65,8 @@ def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
     PARTIAL_DENOISER_SHARE; the largest one at model_offload; none at group_offload) and the working
     memory beside them; each held component then counts at its own size (quantized: the
     scheme's bytes) and only the rest scales with fp32."""
+    if rung in fit.measured:
+        return fit.measured[rung]
     scale = 2.0 if fit.fp32 else 1.0
     if rung == "full":
         declared = manifest.min_vram_gb
@@ -103,6 +109,7 @@ class RungChoice:
     rung: Rung
     reason: str
     usable_gb: float | None = None  # what the choice planned with, when it looked at memory
+    measured: bool = False  # the rung's need came from this card kind's measurements
 
 
 def usable_gb(

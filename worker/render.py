@@ -8,6 +8,7 @@ are the callbacks the Ladder runs, and read best beside the steps that hand them
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from worker.faults import FaultPlan
 from worker.generate import DecodeRules, generate
 from worker.ladder import (
     GB,
+    Fit,
     Ladder,
     RungChoice,
     RungMemory,
@@ -52,8 +54,9 @@ from worker.ladder import (
     rung_need_gb,
     usable_gb,
 )
-from worker.loading import fit_for, load_pipeline, place_again
-from worker.resident import LoadedPipeline, PipelineCache, release_memory
+from worker.loading import choose_dtype, fit_for, load_pipeline, place_again
+from worker.peaks import Peak, PeakBook, Shape, card_kind, component_bytes
+from worker.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
 from worker.switches import compile_fell_back, compile_plan
@@ -129,6 +132,7 @@ class Renderer:
             ladder = Ladder(manifest.id, request.rung or self.settings.memory_mode, record.attempts)
             choice = self._choose_rung(manifest, request)
             record.rung_reason = choice.reason
+            record.planned_from = "measured" if choice.measured else "declared"
             with _named_pin(request, manifest.id, record.attempts):
                 loaded = self._ensure_loaded(manifest, choice.rung, pin, ladder, watch, record)
                 _checkpoint(ctx, "after loading")
@@ -146,8 +150,11 @@ class Renderer:
                     reload=reload,
                     phase=lambda: watch.current,
                 )
-            # A rung an OOM pushed this size down to is a ceiling for the next jobs at it.
+            # A rung an OOM pushed this size down to is a ceiling for the next jobs at it, and
+            # a floor under that rung's need for every worker on this card kind.
             pushed_down = any(a.outcome == "oom" and a.rung != loaded.rung for a in record.attempts)
+            if pushed_down and choice.usable_gb is not None:
+                self._measure_oom(request, record, choice.usable_gb)
             size = (request.width or 0, request.height or 0)
             self.rungs.remember(
                 manifest.id,
@@ -240,6 +247,8 @@ class Renderer:
 
     def _worker_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
         fit = fit_for(manifest, self.info, self.settings)
+        # What this card kind measured for the job's shape replaces the manifest's figures.
+        fit = dataclasses.replace(fit, measured=self.peaks.needs_gb(self._shape(request, fit)))
         if self.settings.memory_mode != "auto":
             return pick_rung(
                 manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode, fit
@@ -251,7 +260,54 @@ class Renderer:
         size = (request.width or 0, request.height or 0)
         ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
         ceilings = self.rungs.ceilings(manifest.id)
-        return choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
+        choice = choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
+        return dataclasses.replace(choice, measured=choice.rung in fit.measured)
+
+    def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
+        """What a job's memory depends on besides its rung (worker.peaks)."""
+        manifest = self.manifests[request.model]
+        return Shape(
+            model=manifest.id,
+            width=request.width or 0,
+            height=request.height or 0,
+            dtype=DTYPE_NAMES[choose_dtype(manifest, self.info)[0]],
+            quantized=tuple(sorted(fit.quantized.items())),
+            mode=request.mode or "txt2img",
+        )
+
+    @functools.cached_property
+    def peaks(self) -> PeakBook:
+        """This card kind's measurements, read from Redis at the first job that plans a rung."""
+        try:
+            connection: Redis | None = self._redis
+        except Exception as exc:  # no Redis: this process's own measurements only
+            log.warning("peaks: no Redis (%s)", exc)
+            connection = None
+        book = PeakBook(connection, card_kind(self.info.name, self.info.simulated))
+        book.read()
+        return book
+
+    def _measure_oom(self, request: RenderRequest, record: TimingRecord, usable: float) -> None:
+        fit = fit_for(self.manifests[request.model], self.info, self.settings)
+        shape = self._shape(request, fit)
+        for rung in {a.rung for a in record.attempts if a.outcome == "oom"}:
+            self.peaks.observe_oom(shape, rung, usable)
+
+    def _measure(
+        self, loaded: LoadedPipeline, request: RenderRequest, record: TimingRecord, start: int
+    ) -> None:
+        """After a job: its pipeline's bytes at this rung and what the job added, into the book."""
+        if record.peak_memory_bytes is None:
+            return
+        weights, largest = component_bytes(loaded.pipe)
+        fit = fit_for(loaded.manifest, self.info, self.settings)
+        measured = Peak(
+            resident_bytes=loaded.device_bytes,
+            working_bytes=max(record.peak_memory_bytes - start, 0),
+            weights_bytes=weights,
+            largest_bytes=largest,
+        )
+        self.peaks.observe(self._shape(request, fit), loaded.rung, measured)
 
     def _ensure_loaded(
         self,
@@ -339,6 +395,7 @@ class Renderer:
             loras = self._apply_loras(loaded, request, watch, record)
             mode = request.mode or "txt2img"
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
+            start = dev.allocated_bytes(self.info)
             try:
                 images, decoded = generate(
                     loaded,
@@ -362,6 +419,8 @@ class Renderer:
                 continue
             built = graphs_compiled() - graphs_before
             loaded.adapter_sets.add(loras)
+            if decoded is loaded:  # a decode retried a rung lower measured two pipelines
+                self._measure(loaded, request, record, start)
             if loaded.compiled and ran_before and built:
                 loaded.recompiles += built
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")

@@ -22,6 +22,7 @@ from worker.adapters import AdapterSlots
 from worker.device import DeviceInfo
 from worker.families import spec_of
 from worker.partial import PartialSplit
+from worker.peaks import component_bytes
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,7 @@ class RamCache:
 
 def host_bytes(pipe: Any) -> int:
     """Bytes of every parameter and buffer of the pipeline's modules: its size on the host."""
-    total = 0
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            for tensor in (*component.parameters(), *component.buffers()):
-                total += tensor.numel() * tensor.element_size()
-    return total
+    return component_bytes(pipe)[0]
 
 
 class PipelineCache:

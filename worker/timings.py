@@ -93,6 +93,9 @@ class TimingRecord(BaseModel):
     peak_memory_bytes: int | None = None
     rung: str | None = None
     rung_reason: str | None = None
+    # Whether the rung was chosen from what this card kind measured for the job's shape
+    # (worker.peaks) or from the manifest's declared figures.
+    planned_from: Literal["declared", "measured"] = "declared"
     device: str | None = None
     simulated_device: str | None = None  # the KILN_DEVICE_PROFILE decisions were made as
     dtype: str | None = None

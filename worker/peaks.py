@@ -1,0 +1,237 @@
+"""Placement from kiln's own measurements: the memory every job took, per card kind and job shape
+(model, size, dtype, quantization, mode) and rung, shared through Redis (kiln:peaks) so the next
+worker on the same kind of card starts informed, and turned into each rung's need.
+
+A job's measurement is two numbers: what its pipeline held on the device at that rung (measured
+at load: allocated after minus before) and what the job added on top (its peak minus what was
+allocated when it started). Together they are the rung's need. A rung not measured is derived
+from one that was: the job's working memory beside the weights a rung holds (all of them at
+full, the largest component at model_offload, none at group_offload), weights counted from the
+loaded modules themselves. Needs are planned with MARGIN on top. On a CPU, "device" memory is
+the process's resident set (its peak read from VmHWM), so the numbers are real but include the
+allocator's slack."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from api_client.schema import RUNGS
+
+log = logging.getLogger(__name__)
+
+KEY = "kiln:peaks"  # hash: "<card>|<shape>|<rung>" -> Peak JSON; bounded by models x sizes x rungs
+MARGIN = 0.15  # needs are planned 15 % above what was measured: one job's peak is not the worst
+GB = 1024**3
+
+
+class Peak(BaseModel):
+    """One (card, shape, rung)'s measurements, the largest seen."""
+
+    resident_bytes: int  # the pipeline's own device memory at this rung, measured at load
+    working_bytes: int  # the most a job added on top of what was allocated when it started
+    weights_bytes: int  # every component's parameters and buffers, as loaded
+    largest_bytes: int  # the largest component's
+    jobs: int = 1
+    # The most usable memory this rung ran out of memory with: its need is above it.
+    oom_above_gb: float | None = None
+
+    @property
+    def need_bytes(self) -> int:
+        return self.resident_bytes + self.working_bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a job's memory depends on besides the rung."""
+
+    model: str
+    width: int
+    height: int
+    dtype: str
+    quantized: tuple[tuple[str, str], ...]
+    mode: str
+
+    @property
+    def field(self) -> str:
+        quant = ",".join(f"{c}={s}" for c, s in self.quantized) or "none"
+        return f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"
+
+
+@dataclass
+class PeakBook:
+    """This worker's view of kiln:peaks for its card kind, read once at start, written through."""
+
+    connection: Any  # Redis, or None: measurements kept in this process only
+    card: str
+    peaks: dict[str, Peak] = field(default_factory=dict)  # "<shape>|<rung>" -> Peak
+
+    def read(self) -> None:
+        """Every measurement other workers on this card kind made (one HSCAN)."""
+        if self.connection is None:
+            return
+        prefix = f"{self.card}|"
+        try:
+            for name, value in self.connection.hscan_iter(KEY, match=f"{_glob(prefix)}*"):
+                name = name.decode() if isinstance(name, bytes) else name
+                try:
+                    self.peaks[name[len(prefix) :]] = Peak.model_validate_json(value)
+                except ValidationError:
+                    log.warning("kiln:peaks field %s is not a measurement; skipped", name)
+        except Exception as exc:  # Redis down: plan from what this process measures
+            log.warning("kiln:peaks unreadable (%s): planning from this worker's own jobs", exc)
+
+    def observe(self, shape: Shape, rung: str, measured: Peak) -> Peak:
+        """Keep the largest of this and what was known; write it through when it grew."""
+        key = f"{shape.field}|{rung}"
+        known = self.peaks.get(key)
+        if known is not None:
+            measured = Peak(
+                resident_bytes=max(known.resident_bytes, measured.resident_bytes),
+                working_bytes=max(known.working_bytes, measured.working_bytes),
+                weights_bytes=measured.weights_bytes or known.weights_bytes,
+                largest_bytes=measured.largest_bytes or known.largest_bytes,
+                jobs=known.jobs + measured.jobs,
+                oom_above_gb=_larger(known.oom_above_gb, measured.oom_above_gb),
+            )
+        self.peaks[key] = measured
+        grew = (
+            known is None
+            or measured.need_bytes > known.need_bytes * 1.05
+            or measured.oom_above_gb != known.oom_above_gb
+        )
+        if grew and self.connection is not None:
+            try:
+                self.connection.hset(KEY, f"{self.card}|{key}", measured.model_dump_json())
+            except Exception as exc:
+                log.warning("kiln:peaks not written (%s): kept in this worker", exc)
+        return measured
+
+    def observe_oom(self, shape: Shape, rung: str, usable_gb: float) -> None:
+        """A rung ran out of memory with usable_gb to plan with: a floor under its need."""
+        floor = Peak(
+            resident_bytes=0,
+            working_bytes=0,
+            weights_bytes=0,
+            largest_bytes=0,
+            jobs=0,
+            oom_above_gb=usable_gb,
+        )
+        self.observe(shape, rung, floor)
+
+    def needs_gb(self, shape: Shape) -> dict[str, float]:
+        """Each rung's need in GB for this shape, margin included, where anything is measured."""
+        measured: dict[str, Peak] = {}
+        for rung in RUNGS:
+            if (peak := self.peaks.get(f"{shape.field}|{rung}")) is not None:
+                measured[rung] = peak
+        return needs_from(measured)
+
+
+def needs_from(measured: dict[str, Peak]) -> dict[str, float]:
+    """Rung -> GB from the rungs measured: a measured rung as measured, the others from the
+    working memory one of them showed beside the weights each rung holds."""
+    sized = [p for p in measured.values() if p.jobs]
+    if not measured:
+        return {}
+    any_peak = sized[0] if sized else next(iter(measured.values()))
+    working = _working({r: p for r, p in measured.items() if p.jobs})
+    held = {
+        "full": any_peak.weights_bytes,
+        "model_offload": any_peak.largest_bytes,
+        "group_offload": 0,
+    }
+    needs: dict[str, float] = {}
+    for rung in RUNGS:
+        peak = measured.get(rung)
+        if peak is not None and peak.jobs:
+            need = peak.need_bytes
+        elif rung in held and working:
+            need = held[rung] + working
+        else:
+            need = 0  # a rung with no rule of its own here plans from the manifest
+        gb = need * (1 + MARGIN) / GB
+        if peak is not None and peak.oom_above_gb is not None:
+            gb = max(gb, peak.oom_above_gb * (1 + MARGIN))
+        if gb:
+            needs[rung] = gb
+    return needs
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _working(measured: dict[str, Peak]) -> int:
+    """The job's own memory: at full or group_offload what it added; at model_offload what it
+    added less the largest component it brought onto the device."""
+    for rung in ("full", "group_offload"):
+        if rung in measured:
+            return measured[rung].working_bytes
+    peak = measured.get("model_offload")
+    if peak is not None:
+        return max(peak.working_bytes - peak.largest_bytes, 0)
+    return max((p.working_bytes for p in measured.values()), default=0)
+
+
+def component_bytes(pipe: Any) -> tuple[int, int]:
+    """(all components', the largest one's) parameter and buffer bytes, as loaded."""
+    import torch
+
+    sizes = []
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            tensors = (*component.parameters(), *component.buffers())
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+    return sum(sizes), max(sizes, default=0)
+
+
+def _glob(text: str) -> str:
+    """Escape Redis MATCH's glob characters in a card name."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def card_kind(name: str, simulated: str | None) -> str:
+    """Whose measurements these are: a card by its name; a profile's decisions on another
+    device under both names, so a CPU drill never feeds a real card's plans."""
+    return name if simulated is None else f"{name} as {simulated}"
+
+
+WRONG_BY = 0.20  # a declared figure this far from the measured one is reported by kiln doctor
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One measured rung of one shape beside what the manifest declares for it."""
+
+    shape: str  # model|WxH|dtype|quantization|mode
+    rung: str
+    jobs: int
+    measured_gb: float
+    declared_gb: float
+
+    @property
+    def off(self) -> float:
+        """How far the declared figure is from the measured one, as a share of the measured."""
+        return (self.declared_gb - self.measured_gb) / self.measured_gb
+
+    @property
+    def wrong(self) -> bool:
+        return abs(self.off) > WRONG_BY
+
+
+def comparisons(book: PeakBook, declared: Callable[[str, str], float | None]) -> list[Comparison]:
+    """Every measured (shape, rung) of the book; declared(model, rung) gives the manifest's need
+    in GB, None for a model this worker does not know."""
+    found = []
+    for key, peak in sorted(book.peaks.items()):
+        shape, _, rung = key.rpartition("|")
+        wanted = declared(shape.split("|", 1)[0], rung)
+        if not peak.jobs or wanted is None or not peak.need_bytes:
+            continue
+        found.append(Comparison(shape, rung, peak.jobs, peak.need_bytes / GB, wanted))
+    return found
