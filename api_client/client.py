@@ -54,6 +54,8 @@ class ModelInfo:
     resident_on: list[str] = field(default_factory=list)
 
     queued: dict[str, int] = field(default_factory=dict)  # lane -> jobs waiting in it
+    # Serving workers that take no jobs now, and why (no served model's need fits their memory).
+    blocked: dict[str, str] = field(default_factory=dict)
 
     @property
     def default_eta_s(self) -> float | None:
@@ -318,9 +320,12 @@ class KilnClient:
             )
         serving: dict[str, list[str]] = {}
         resident: dict[str, list[str]] = {}
+        blocked: dict[str, dict[str, str]] = {}
         for state in self.workers():
             for model_id in state.models:
                 serving.setdefault(model_id, []).append(state.name)
+                if state.blocked:
+                    blocked.setdefault(model_id, {})[state.name] = state.blocked
             for model_id in state.resident:
                 resident.setdefault(model_id, []).append(state.name)
         ordered = sorted(manifests.values(), key=lambda m: m.id)
@@ -332,7 +337,12 @@ class KilnClient:
         queued = {m.id: {lane: int(next(depths)) for lane in keys.LANES} for m in ordered}
         return [
             ModelInfo(
-                m, fits.get(m.id, {}), serving.get(m.id, []), resident.get(m.id, []), queued[m.id]
+                m,
+                fits.get(m.id, {}),
+                serving.get(m.id, []),
+                resident.get(m.id, []),
+                queued[m.id],
+                blocked.get(m.id, {}),
             )
             for m in ordered
         ]

@@ -294,6 +294,8 @@ class WorkerState(BaseModel):
     running: str | None = None  # the id of the job it renders (phase, step: its event stream)
     jobs_done: int = 0  # jobs it finished since it started
     free_bytes: int | None = None  # device memory free, as measured (CPU: host memory)
+    # Why it takes no jobs now: no served model's measured need fits the memory it has.
+    blocked: str | None = None
 
 
 class TimingFit(BaseModel):

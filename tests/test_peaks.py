@@ -122,3 +122,52 @@ def test_doctor_shows_measured_against_declared_and_flags_a_wrong_manifest(
     text = format_report(report, settings)
     assert f"{MODEL}|128x128|fp32|none|txt2img full: measured" in text
     assert "declared 0.00 GB" in text and "off by more than 20%" in text
+
+
+def test_a_worker_whose_memory_fits_no_served_model_takes_no_job(
+    redis_conn: Redis, kiln_env: dict[str, str], make_settings: Any, tmp_path: Path
+) -> None:
+    """#18 item 5: measured, tiny-sd15 needs 5 GB at its lowest rung; a worker with 1 GB waits,
+    saying why in its state, in `kiln models` and in a metric, instead of taking the job."""
+    import json
+    import time
+    import urllib.request
+
+    from api_client import keys
+    from api_client.schema import WorkerState
+    from tests.conftest import kiln
+    from tests.workers import WorkerProcess, free_port, wait_until
+    from worker.device import probe
+    from worker.peaks import card_kind
+
+    settings = make_settings()
+    card = card_kind(probe(settings).name, None)
+    need = Peak(resident_bytes=0, working_bytes=5 * GB, weights_bytes=GB, largest_bytes=GB)
+    shape = Shape(MODEL, 128, 128, "fp32", (), "txt2img")
+    redis_conn.hset(KEY, f"{card}|{shape.field}|group_offload", need.model_dump_json())
+    job = client_for(redis_conn, settings).submit({"model": MODEL, "prompt": "a fox", "steps": 2})
+    port = free_port()
+    env = {**kiln_env, "KILN_VRAM_BUDGET_GB": "1"}
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", MODEL, "--metrics-port", str(port))
+    try:
+        worker.wait_ready(redis_conn)
+
+        def blocked() -> str | None:
+            raw = redis_conn.get(keys.worker_key(worker.name))
+            return WorkerState.model_validate_json(raw).blocked if raw else None  # type: ignore[arg-type]
+
+        why = wait_until(blocked, 60, "the worker to say it waits for memory")
+        assert why.startswith("waiting for memory:") and f"{MODEL} needs 5.75 GB" in why
+        time.sleep(2)
+        assert job.status() == "queued"  # not taken: it could only fail
+        models = kiln("models", "--json", env=env)
+        [row] = [m for m in json.loads(models.stdout) if m["id"] == MODEL]
+        assert row["blocked"][worker.name].startswith("waiting for memory:")
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert b"kiln_waiting_for_memory 1.0" in scraped
+    finally:
+        worker.stop()
+    # With the memory there (a worker allowed 10 GB), the same job runs.
+    roomy = make_settings(vram_budget_gb=10.0)
+    burst(redis_conn, make_renderer(roomy, [MODEL]), [MODEL])
+    assert job.wait(timeout=30).model == MODEL

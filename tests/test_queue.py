@@ -115,7 +115,7 @@ def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, make_setting
         text = response.read().decode()
     assert 'kiln_jobs_total{model="tiny-sd15",status="done"}' in text
     assert 'kiln_phase_seconds_count{model="tiny-sd15",phase="denoise"}' in text
-    assert 'kiln_resident_rung{model="tiny-sd15",rung="model_offload"} 1.0' in text
+    assert 'kiln_resident_rung{model="tiny-sd15",rung="partial"} 1.0' in text  # one rung down
     assert "kiln_device_memory_allocated_bytes " in text
     assert 'kiln_queue_depth{model="tiny-sdxl"} 1.0' in text
     assert 'kiln_queue_depth{model="tiny-sd15"} 0.0' in text

@@ -399,6 +399,7 @@ def _model_json(info: Any) -> dict[str, Any]:
         "resident_on": info.resident_on,
         "eta_s": info.default_eta_s,
         "queued": info.queued,
+        "blocked": info.blocked,
         "eta_now_s": {lane: info.eta_now_s(lane) for lane in info.queued},
         "fits": {f"{w}x{h}": fit.model_dump() for (w, h), fit in info.fits.items()},
     }

@@ -103,13 +103,17 @@ def print_models(infos: list[ModelInfo]) -> None:
             m.family,
             f"{m.steps.default} steps, g {m.guidance.default}",
             " ".join(f"{w}x{h}" for w, h in m.resolutions),
-            str(len(info.workers)),
+            str(len(info.workers)) + (f" ({len(info.blocked)} blocked)" if info.blocked else ""),
             ", ".join(info.resident_on) or "-",
             f"{eta:.2f} s" if eta is not None else "not measured",
             f"{info.queued.get('interactive', 0)}, {info.queued.get('batch', 0)}",
             ", ".join(f"{s:.2f} s" for s in now if s is not None) or "not measured",
         )
-    wide_console().print(table)
+    console = wide_console()
+    console.print(table)
+    blocked = {name: why for info in infos for name, why in info.blocked.items()}
+    for name, why in sorted(blocked.items()):
+        console.print(f"worker {name} takes no jobs: {why}", soft_wrap=True)
 
 
 SHORT = {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}

@@ -63,6 +63,10 @@ DEVICE_MEMORY = Gauge(
     "kiln_device_memory_allocated_bytes",
     "Device memory held in tensors after the last job (CPU: the process's resident set)",
 )
+WAITING_FOR_MEMORY = Gauge(
+    "kiln_waiting_for_memory",
+    "1 while this worker takes no jobs: no served model's measured need fits its memory",
+)
 
 
 # The label values of kiln_recompiles_total, from the start of each recompile cause the renderer

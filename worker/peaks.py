@@ -125,11 +125,28 @@ class PeakBook:
 
     def needs_gb(self, shape: Shape) -> dict[str, float]:
         """Each rung's need in GB for this shape, margin included, where anything is measured."""
-        measured: dict[str, Peak] = {}
+        return needs_from(self.measured(shape.field))
+
+    def measured(self, shape: str) -> dict[str, Peak]:
+        """Rung -> what was measured for this shape ("<model>|<WxH>|...")."""
+        found: dict[str, Peak] = {}
         for rung in RUNGS:
-            if (peak := self.peaks.get(f"{shape.field}|{rung}")) is not None:
-                measured[rung] = peak
-        return needs_from(measured)
+            if (peak := self.peaks.get(f"{shape}|{rung}")) is not None:
+                found[rung] = peak
+        return found
+
+
+def lowest_need_gb(book: PeakBook, model: str) -> float | None:
+    """The least any measured shape of this model needs at the ladder's lowest rung; None when
+    none is measured (a static estimate is tried anyway)."""
+    shapes = {key.rpartition("|")[0] for key in book.peaks if key.startswith(f"{model}|")}
+    lowest = RUNGS[-1]
+    found = []
+    for shape in shapes:
+        need = needs_from(book.measured(shape)).get(lowest)
+        if need is not None:
+            found.append(need)
+    return min(found, default=None)
 
 
 def needs_from(measured: dict[str, Peak]) -> dict[str, float]:

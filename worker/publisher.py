@@ -39,6 +39,7 @@ WORKER_STATE_TTL_S = 60
 # The worker's published state, RQ's worker hash and the `rq suspend` check are refreshed this
 # often (their TTLs are 60 s and more), not around every job.
 STATE_INTERVAL_S = 10.0
+MEMORY_POLL_S = 1.0  # how often a worker waiting for memory looks again
 FIT_INTERVAL_S = 10.0
 
 
@@ -104,13 +105,41 @@ class StatePublisher:
     served: list[str]
     done_jobs: int
     working_s: float
+    blocked: str | None = None  # why no job is taken now (wait_for_memory), published
     webhooks: Dispatcher
     _published_resident: list[str]
     get_state: Callable[[], Any]
+    _stop_requested: bool
+    should_run_maintenance_tasks: bool
+    run_maintenance_tasks: Callable[[], None]
     get_current_job_id: Callable[..., str | None]
     _finish: Callable[[Job, Queue], bool]
     _retyped: Callable[[str | None, Callable[[], Any]], Any]
     repair_keys: Callable[..., list[str]]
+
+    def wait_for_memory(self, burst: bool) -> bool:
+        """No job while no served model's measured need fits this worker's memory: it would
+        take a job it must fail. The worker says why in its state, in kiln models and in
+        kiln_waiting_for_memory, and looks again every MEMORY_POLL_S; False (take nothing)
+        for a burst worker or one asked to stop."""
+        while (why := self.renderer.cannot_fit()) is not None:
+            if self.blocked is None:
+                log.warning("%s: %s", self.name, why)
+                self.blocked = why
+                metrics.WAITING_FOR_MEMORY.set(1)
+                self.publish_state()
+            self.blocked = why  # the Pulse thread publishes it with the latest figures
+            if burst or self._stop_requested:
+                return False
+            time.sleep(MEMORY_POLL_S)
+            if self.should_run_maintenance_tasks:  # sweeps go on: other workers' jobs
+                self.run_maintenance_tasks()
+        if self.blocked is not None:
+            log.info("%s: memory fits again; taking jobs", self.name)
+            self.blocked = None
+            metrics.WAITING_FOR_MEMORY.set(0)
+            self.publish_state()
+        return True
 
     def publish_state(self, conn: Any = None, sweep: bool = True) -> None:
         """The worker's state for clients (models, resident, busy or idle), RQ's worker hash
@@ -136,6 +165,7 @@ class StatePublisher:
             running=running,
             jobs_done=self.done_jobs,
             free_bytes=dev.free_bytes(self.renderer.info),
+            blocked=self.blocked,
         )
         pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         pipe.zadd(keys.WORKERS_KEY, {self.name: moment})

@@ -192,6 +192,8 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> Any:
         self._holding_job = False
+        if not self.wait_for_memory(burst=timeout is None):  # rq passes no timeout in burst
+            return None
         while True:
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)

@@ -55,7 +55,7 @@ from worker.ladder import (
     usable_gb,
 )
 from worker.loading import choose_dtype, fit_for, load_pipeline, place_again
-from worker.peaks import Peak, PeakBook, Shape, card_kind, component_bytes
+from worker.peaks import Peak, PeakBook, Shape, card_kind, component_bytes, lowest_need_gb
 from worker.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
 from worker.settings import Settings
 from worker.store import Store, open_store
@@ -262,6 +262,23 @@ class Renderer:
         ceilings = self.rungs.ceilings(manifest.id)
         choice = choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
         return dataclasses.replace(choice, measured=choice.rung in fit.measured)
+
+    def cannot_fit(self) -> str | None:
+        """Why this worker must take no job now: every served model's measured need at the
+        lowest rung is above the memory it could have (evicting everything); None otherwise,
+        and while any model's need is only the manifest's estimate (that one is tried)."""
+        room = self.usable_gb()
+        over = []
+        for manifest in self.manifests.values():
+            if manifest.benchmark_only:
+                continue
+            need = lowest_need_gb(self.peaks, manifest.id)
+            if need is None or need <= room:
+                return None
+            over.append(f"{manifest.id} needs {need:.2f} GB")
+        if not over:
+            return None
+        return f"waiting for memory: {room:.2f} GB usable, and {'; '.join(over)} at its lowest rung"
 
     def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
         """What a job's memory depends on besides its rung (worker.peaks)."""
