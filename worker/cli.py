@@ -1,19 +1,19 @@
-"""The `kiln` command. Imports stay inside each verb so `kiln --help` never loads torch.
+"""The `kiln` command: the parser for every verb, main, and the worker-side verbs' handlers;
+the client verbs' handlers are in worker/commands.py. Imports stay inside each verb so
+`kiln --help` never loads torch.
 
-Over 300 lines because it is one parser and one short handler per verb, a dozen verbs; each
-handler only parses, calls the module that owns the work, and prints."""
+Over 300 lines because the parser declares every flag of a dozen verbs in one place, so
+`kiln --help` and the flags read in one file; each handler here only parses, calls the module
+that owns the work, and prints."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from api_client import KilnJob
+from worker import commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         "--lora",
         dest="loras",
         action="append",
-        type=_lora_flag,
+        type=commands.lora_flag,
         metavar="NAME[:WEIGHT]",
         help="an adapter the manifest allows, at its default weight or WEIGHT (repeatable)",
     )
@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
     )
     submit.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    submit.set_defaults(handler=_submit)
+    submit.set_defaults(handler=commands.submit)
 
     replay = verbs.add_parser(
         "replay",
@@ -153,11 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--json", action="store_true", help="print JSON: the new RenderResult with --wait"
     )
-    replay.set_defaults(handler=_replay)
+    replay.set_defaults(handler=commands.replay)
 
     models = verbs.add_parser("models", help="published models, the workers serving them, and ETAs")
     models.add_argument("--json", action="store_true")
-    models.set_defaults(handler=_models)
+    models.set_defaults(handler=commands.models)
 
     manifests = verbs.add_parser("manifests", help="check or publish model manifests")
     manifest_verbs = manifests.add_subparsers(title="manifest commands", metavar="ACTION")
@@ -240,14 +240,14 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--last", type=int, default=10, help="how many ended jobs to show")
-    top.set_defaults(handler=_top)
+    top.set_defaults(handler=commands.top)
 
     quarantine = verbs.add_parser(
         "quarantine", help="job records kiln could not read or that killed workers, with reasons"
     )
     quarantine.add_argument("--clear", metavar="ID", help="drop this entry (`all`: every entry)")
     quarantine.add_argument("--json", action="store_true", help="one JSON object per entry")
-    quarantine.set_defaults(handler=_quarantine)
+    quarantine.set_defaults(handler=commands.quarantine)
     return parser
 
 
@@ -272,137 +272,6 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.serve import serve
 
     return serve(settings, manifests, burst=args.burst, name=args.name, prewarm=args.prewarm)
-
-
-def _client() -> Any:
-    from api_client import KilnClient
-
-    return KilnClient.from_env()
-
-
-def _lora_flag(text: str) -> dict[str, Any]:
-    from api_client.loras import parse_lora_flag
-
-    try:
-        return parse_lora_flag(text).model_dump(exclude_none=True)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _submit(args: argparse.Namespace) -> int:
-    from api_client import RequestRejected
-    from api_client.schema import RenderRequest
-
-    # Every request field has a flag of the same name; unset flags take the manifest's defaults.
-    request: dict[str, Any] = {
-        field: getattr(args, field)
-        for field in RenderRequest.model_fields
-        if getattr(args, field, None) is not None
-    }
-    client = _client()
-    try:
-        for field in ("image", "mask"):
-            if field in request and not re.match(r"[a-z][a-z0-9+.-]*:", request[field]):
-                request[field] = client.upload(request[field])  # a local file: upload it first
-        job = client.submit(request, job_id=args.job_id, at_front=args.front)
-    except RequestRejected as exc:
-        print(f"kiln submit: {exc}", file=sys.stderr)
-        return 2
-    return _follow(job, args.model, args)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    from api_client import RequestRejected
-    from worker.details import read_details
-    from worker.errors import CannotReplay
-
-    try:
-        path = _local_image(args.image)
-        request = read_details(path).replay_request()
-    except CannotReplay as exc:
-        print(f"kiln replay: {exc}", file=sys.stderr)
-        return 2
-    try:
-        job = _client().submit(request)
-    except RequestRejected as exc:
-        print(f"kiln replay: {args.image}: {exc}", file=sys.stderr)
-        return 2
-    return _follow(job, request.model, args)
-
-
-def _local_image(argument: str) -> Path:
-    """The image file a replay reads: a path, or a file:// uri as results give them."""
-    from urllib.parse import unquote, urlparse
-
-    from worker.errors import CannotReplay
-
-    if argument.startswith("file://"):
-        return Path(unquote(urlparse(argument).path))
-    if "://" in argument:
-        raise CannotReplay(
-            f"{argument}: kiln replay reads a local file; fetch the image first"
-            " (KilnClient.fetch or job.download)"
-        )
-    return Path(argument)
-
-
-def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
-    """After a submit: the job id, or with --wait its progress and result (--json: as JSON)."""
-    from api_client import RenderFailed
-
-    if not args.wait:
-        from api_client.keys import queue_name
-
-        queue = queue_name(model, getattr(args, "priority", None) or "interactive")
-        print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on {queue}")
-        return 0
-    from worker.display import wait_with_progress
-
-    try:
-        result = wait_with_progress(job, timeout=args.timeout, quiet=args.json)
-    except RenderFailed as exc:
-        print(
-            json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message})
-            if args.json
-            else f"kiln {args.verb}: {exc}",
-            file=sys.stdout if args.json else sys.stderr,
-        )
-        return 1
-    if args.json:
-        print(result.model_dump_json())
-    else:
-        from worker.display import print_result
-
-        print_result(result)
-    return 0
-
-
-def _models(args: argparse.Namespace) -> int:
-    client = _client()
-    infos = client.models()
-    if args.json:
-        print(json.dumps([_model_json(info) for info in infos], indent=2))
-        return 0
-    from worker.display import print_models
-
-    print_models(infos)
-    return 0
-
-
-def _model_json(info: Any) -> dict[str, Any]:
-    return {
-        "id": info.manifest.id,
-        "family": info.manifest.family,
-        "default_steps": info.manifest.steps.default,
-        "default_size": list(info.manifest.default_size),
-        "workers": info.workers,
-        "resident_on": info.resident_on,
-        "eta_s": info.default_eta_s,
-        "queued": info.queued,
-        "blocked": info.blocked,
-        "eta_now_s": {lane: info.eta_now_s(lane) for lane in info.queued},
-        "fits": {f"{w}x{h}": fit.model_dump() for (w, h), fit in info.fits.items()},
-    }
 
 
 def _manifests_check(args: argparse.Namespace) -> int:
@@ -513,21 +382,6 @@ def _timings(args: argparse.Namespace) -> int:
     return run_report(
         args.log or settings.timings_log, csv=args.csv, chart=args.chart, last=args.last
     )
-
-
-def _top(args: argparse.Namespace) -> int:
-    from api_client.connection import connect
-    from worker.top import run_top
-
-    return run_top(connect(_settings().redis_url), args.once, args.interval, args.last)
-
-
-def _quarantine(args: argparse.Namespace) -> int:
-    from redis import Redis
-
-    from worker.quarantine import command
-
-    return command(Redis.from_url(_settings().redis_url), args.clear, args.json)
 
 
 if __name__ == "__main__":
