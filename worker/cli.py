@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "--models", help="comma-separated model ids to serve (default: all manifests)"
     )
     worker.add_argument(
-        "--memory-mode", help="auto, or pin a rung: full, model_offload, group_offload"
+        "--memory-mode", help="auto, or pin a rung: full, partial, model_offload, group_offload"
     )
     worker.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     worker.add_argument("--name", help="worker name (default: RQ's host.pid name)")
