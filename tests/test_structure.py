@@ -44,10 +44,6 @@ def test_no_import_cycles() -> None:
 
 
 MAX_LINES, EXPLAINED_LINES = 450, 300
-# Over MAX_LINES while other work (#18's LoRA in render.py) is still landing in them; each is
-# split along its steps once that work is in. An entry is refused once its module is back under
-# the limit, so this list only shrinks.
-SPLIT_PENDING = {"worker/render.py"}
 
 
 def _worker_modules() -> dict[str, tuple[int, str]]:
@@ -62,10 +58,8 @@ def _worker_modules() -> dict[str, tuple[int, str]]:
 
 def test_no_worker_module_is_over_450_lines() -> None:
     sizes = {name: lines for name, (lines, _) in _worker_modules().items()}
-    over = {name: n for name, n in sizes.items() if n > MAX_LINES and name not in SPLIT_PENDING}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert over == {}, f"over {MAX_LINES} lines, split along its seams: {over}"
-    stale = sorted(name for name in SPLIT_PENDING if sizes.get(name, 0) <= MAX_LINES)
-    assert stale == [], f"back under {MAX_LINES} lines: drop from SPLIT_PENDING: {stale}"
 
 
 def test_a_worker_module_over_300_lines_says_why() -> None:

@@ -17,7 +17,7 @@ import functools
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from PIL import ExifTags, Image
 from PIL.PngImagePlugin import PngInfo
@@ -26,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api_client.errors import short
 from api_client.schema import LoraChoice, Mode, OutputFormat, RenderRequest, Rung
 from worker.errors import CannotReplay
+
+if TYPE_CHECKING:
+    from worker.resident import LoadedPipeline
 
 DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
 DETAILS_VERSION: Literal[1] = 1
@@ -107,6 +110,42 @@ class ImageDetails(BaseModel):
             rung=self.rung,
             compile=self.compiled,
         )
+
+
+def image_details(
+    request: RenderRequest,
+    loaded: LoadedPipeline,
+    index: int,
+    inputs: list[InputDigest],
+    device: str,
+) -> ImageDetails:
+    """What image `index` of a job carries inside its file: enough to render it again."""
+    return ImageDetails(
+        kiln=kiln_version(),
+        model=request.model,
+        revision=loaded.manifest.revision,
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=int(request.seed or 0),
+        steps=int(request.steps or 0),
+        guidance=float(request.guidance or 0.0),
+        true_cfg=request.true_cfg,
+        scheduler=type(loaded.pipe.scheduler).__name__,
+        width=int(request.width or 0),
+        height=int(request.height or 0),
+        num_images=request.num_images,
+        index=index,
+        format=request.output_format,
+        rung=loaded.rung,
+        dtype=loaded.dtype_name,
+        compiled=loaded.compiled,
+        device=device,
+        quantized=dict(loaded.quantized),
+        loras=[LoraWeight(name=c.name, weight=float(c.weight or 0.0)) for c in request.loras or []],
+        inputs=inputs,
+        mode=request.mode or "txt2img",
+        strength=request.strength,
+    )
 
 
 @functools.cache

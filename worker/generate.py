@@ -18,6 +18,7 @@ from PIL import Image
 
 from api_client.schema import RenderRequest
 from worker import device as dev
+from worker.adapters import AdapterRefused
 from worker.context import JobContext
 from worker.device import DeviceInfo
 from worker.errors import JobStopped
@@ -181,3 +182,32 @@ def _preview(
         return None
     record.previews += 1
     return uri
+
+
+def apply_loras(
+    loaded: LoadedPipeline,
+    request: RenderRequest,
+    watch: Stopwatch,
+    record: TimingRecord,
+    streams: bool,
+) -> frozenset[str]:
+    """The request's adapters into the pipeline's slots at their weights (the load phase:
+    it is the adapters' load), every slot the job does not use at 0."""
+    choices = request.loras or []
+    record.loras = list(choices)
+    slots = loaded.adapters
+    if slots is None:
+        if choices:  # the manifest allowed none, and resolve_request said so at submit
+            raise AdapterRefused(f"model {loaded.manifest.id}: this pipeline has no adapters")
+        return frozenset()
+    if choices and loaded.rung in ("partial", "group_offload") and streams:
+        raise AdapterRefused(
+            f"model {loaded.manifest.id}: loras at rung {loaded.rung} with CUDA streams:"
+            " the offload keeps pinned copies of the weights it streams, which a hotswap"
+            " would not reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on"
+            " this card"
+        )
+    if slots.differs(choices):
+        with watch.phase("load"):
+            slots.apply(choices)
+    return frozenset(c.name for c in choices)

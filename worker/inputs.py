@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from api_client.errors import short
 from api_client.inputs import (
     DATA_URL_MAX_BYTES,
     DEFAULT_MAX_MB,
@@ -29,12 +30,14 @@ from api_client.inputs import (
     uploaded_bytes,
     within_store,
 )
+from worker.details import InputDigest
 from worker.store import LocalStore, S3Store, Store, StoreError
 
 if TYPE_CHECKING:
     from PIL import Image
     from redis import Redis
 
+    from api_client.schema import RenderRequest
     from worker.settings import Settings
 
 
@@ -190,3 +193,26 @@ def _over(size: int, max_bytes: int) -> str:
 def _line(field: str, uri: str, rule: str) -> str:
     shown = f"{uri[:40]}... ({len(uri)} chars)" if len(uri) > 120 else uri
     return f"{field} {shown}: {rule}"
+
+
+def read_inputs(
+    request: RenderRequest, redis: Redis, store: Store, settings: Settings
+) -> tuple[dict[str, Image.Image], list[InputDigest]]:
+    """The inputs as the pipeline takes them (image, mask_image), and each one's sha256."""
+    if request.image is None:
+        return {}, []
+    image = load_input(request.image, redis, store, settings)
+    if image.image.size != (request.width, request.height):
+        width, height = image.image.size
+        raise InputUnavailable(
+            f"image {short(request.image)}: is {width}x{height}, not the job's size"
+            f" {request.width}x{request.height} (kiln never resizes an input)"
+        )
+    sources = {"image": image.image}
+    inputs = [InputDigest(field="image", sha256=image.sha256)]
+    if request.mask is not None:
+        mask = load_input(request.mask, redis, store, settings, field="mask")
+        check_mask_size(image.image, mask.image, request.mask)
+        sources["mask_image"] = mask.image
+        inputs.append(InputDigest(field="mask", sha256=mask.sha256))
+    return sources, inputs

@@ -3,12 +3,12 @@ choose a rung (or take the request's pins), load, generate under the ladder's ou
 rules, save with the generation details inside each image. Every path out of
 render() leaves exactly one timing record, created here and handed to the record listener.
 
-Over 300 lines because the steps' helpers (rung choice, load, reload, one attempt, the result)
-are the callbacks the Ladder runs, and read best beside the steps that hand them over."""
+Over 300 lines because the steps' helpers (load, reload, one attempt, the result) are the
+callbacks the Ladder runs, and read best beside the steps that hand them over. Where a job runs
+(memory, rung, measurements, eviction) is worker.placement's, a mixin of Renderer."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -18,45 +18,36 @@ from typing import Any
 
 import torch
 from PIL import Image
-from redis import Redis
 
-from api_client.connection import connect
 from api_client.errors import short
 from api_client.manifest import Manifest, check_servable, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
 from worker import device as dev
 from worker import output
-from worker.adapters import AdapterRefused
 from worker.compile import graphs_compiled
 from worker.context import JobContext
-from worker.details import ImageDetails, InputDigest, LoraWeight, kiln_version
+from worker.details import image_details
 from worker.device import DeviceInfo
 from worker.errors import (
     FatalWorkerError,
     JobStopped,
     LeaseLost,
     OutOfMemory,
-    PinRefused,
     device_lost,
 )
 from worker.families import cfg_active
 from worker.faults import FaultPlan
-from worker.generate import DecodeRules, generate
+from worker.generate import DecodeRules, apply_loras, generate
+from worker.inputs import read_inputs
 from worker.ladder import (
     GB,
-    Fit,
     Ladder,
-    RungChoice,
     RungMemory,
-    choose_rung,
     is_oom,
-    pick_rung,
-    rung_need_gb,
-    usable_gb,
 )
-from worker.loading import choose_dtype, fit_for, load_pipeline, place_again
-from worker.peaks import Peak, PeakBook, Shape, card_kind, component_bytes, lowest_need_gb
-from worker.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
+from worker.loading import load_pipeline, place_again
+from worker.placement import Placement
+from worker.resident import LoadedPipeline, PipelineCache
 from worker.settings import Settings
 from worker.store import Store, open_store
 from worker.switches import compile_fell_back, compile_plan
@@ -67,7 +58,7 @@ log = logging.getLogger(__name__)
 RecordListener = Callable[[TimingRecord], None]
 
 
-class Renderer:
+class Renderer(Placement):
     """Owns the device, the resident pipelines and the ladder's memory for one worker process."""
 
     def __init__(
@@ -123,7 +114,7 @@ class Renderer:
                 return done
             # 2b. An img2img or inpaint job's inputs, read and checked (sha256, format, size)
             #     before anything is loaded or evicted for it.
-            sources, inputs = self._read_inputs(request)
+            sources, inputs = read_inputs(request, self._redis, self.store, self.settings)
             # 3. Choose a rung and have the pipeline resident there; a rung the request pins (a
             #    replay's) is a pinned ladder, which never descends. A cancel or a lost lease is
             #    taken at every phase boundary as well as at every denoising step.
@@ -168,7 +159,10 @@ class Renderer:
             #    last, as the mark of a complete job. Nothing is written unless this run still
             #    holds the job (a stalled worker's may have lapsed).
             with watch.phase("image_encode"):
-                details = [self._details(request, loaded, i, inputs) for i in range(len(images))]
+                details = [
+                    image_details(request, loaded, i, inputs, self.info.torch_device)
+                    for i in range(len(images))
+                ]
                 encoded = [
                     output.encode_image(image, request.output_format, about)
                     for image, about in zip(images, details, strict=True)
@@ -212,119 +206,6 @@ class Renderer:
         request = RenderRequest.parse(payload)
         check_target(request, self.settings)
         return resolve_request(request, check_servable(request, self.manifests))
-
-    def usable_gb(self, exclude: str | None = None, reclaim: bool = True) -> float:
-        """Free memory now plus (reclaim) what evicting the other resident pipelines would free."""
-        free = dev.free_bytes(self.info)
-        if self.info.simulated is not None:  # a profile's free memory is before kiln loaded
-            free = max(free - self.cache.resident_bytes(), 0)
-        return usable_gb(
-            free_bytes=free,
-            reclaimable_bytes=self.cache.resident_bytes(exclude=exclude) if reclaim else 0,
-            reserve_gb=self.settings.vram_reserve_gb,
-            budget_gb=self.settings.vram_budget_gb,
-            in_use_bytes=self.cache.resident_bytes(),
-        )
-
-    # -- steps 3 and 4 ------------------------------------------------------------------------
-
-    def _choose_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
-        """The request's pinned rung, else the worker's choice; a compile pin that rung cannot
-        honour fails here, before anything is loaded or evicted."""
-        choice = self._pinned_rung(manifest, request.rung) if request.rung else None
-        choice = choice or self._worker_rung(manifest, request)
-        compile_plan(manifest, choice.rung, self.info, self.settings, request.compile)
-        return choice
-
-    def _pinned_rung(self, manifest: Manifest, rung: Rung) -> RungChoice:
-        mode = self.settings.memory_mode
-        if mode not in ("auto", rung):
-            raise PinRefused(
-                f"model {manifest.id}: the request pins rung {rung}, but this worker is pinned"
-                f" to {mode} (KILN_MEMORY_MODE={mode})"
-            )
-        return RungChoice(rung, f"pinned by the request (rung={rung})")
-
-    def _worker_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
-        fit = fit_for(manifest, self.info, self.settings)
-        # What this card kind measured for the job's shape replaces the manifest's figures.
-        fit = dataclasses.replace(fit, measured=self.peaks.needs_gb(self._shape(request, fit)))
-        if self.settings.memory_mode != "auto":
-            return pick_rung(
-                manifest, self.usable_gb(exclude=manifest.id), self.settings.memory_mode, fit
-            )
-        # Counting this model's own resident bytes as reclaimable: what it could have reloaded.
-        room = self.usable_gb()
-        # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
-        grown = room if self.info.accelerator else None
-        size = (request.width or 0, request.height or 0)
-        ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
-        ceilings = self.rungs.ceilings(manifest.id)
-        choice = choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
-        return dataclasses.replace(choice, measured=choice.rung in fit.measured)
-
-    def cannot_fit(self) -> str | None:
-        """Why this worker must take no job now: every served model's measured need at the
-        lowest rung is above the memory it could have (evicting everything); None otherwise,
-        and while any model's need is only the manifest's estimate (that one is tried)."""
-        room = self.usable_gb()
-        over = []
-        for manifest in self.manifests.values():
-            if manifest.benchmark_only:
-                continue
-            need = lowest_need_gb(self.peaks, manifest.id)
-            if need is None or need <= room:
-                return None
-            over.append(f"{manifest.id} needs {need:.2f} GB")
-        if not over:
-            return None
-        return f"waiting for memory: {room:.2f} GB usable, and {'; '.join(over)} at its lowest rung"
-
-    def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
-        """What a job's memory depends on besides its rung (worker.peaks)."""
-        manifest = self.manifests[request.model]
-        return Shape(
-            model=manifest.id,
-            width=request.width or 0,
-            height=request.height or 0,
-            dtype=DTYPE_NAMES[choose_dtype(manifest, self.info)[0]],
-            quantized=tuple(sorted(fit.quantized.items())),
-            mode=request.mode or "txt2img",
-        )
-
-    @functools.cached_property
-    def peaks(self) -> PeakBook:
-        """This card kind's measurements, read from Redis at the first job that plans a rung."""
-        try:
-            connection: Redis | None = self._redis
-        except Exception as exc:  # no Redis: this process's own measurements only
-            log.warning("peaks: no Redis (%s)", exc)
-            connection = None
-        book = PeakBook(connection, card_kind(self.info.name, self.info.simulated))
-        book.read()
-        return book
-
-    def _measure_oom(self, request: RenderRequest, record: TimingRecord, usable: float) -> None:
-        fit = fit_for(self.manifests[request.model], self.info, self.settings)
-        shape = self._shape(request, fit)
-        for rung in {a.rung for a in record.attempts if a.outcome == "oom"}:
-            self.peaks.observe_oom(shape, rung, usable)
-
-    def _measure(
-        self, loaded: LoadedPipeline, request: RenderRequest, record: TimingRecord, start: int
-    ) -> None:
-        """After a job: its pipeline's bytes at this rung and what the job added, into the book."""
-        if record.peak_memory_bytes is None:
-            return
-        weights, largest = component_bytes(loaded.pipe)
-        fit = fit_for(loaded.manifest, self.info, self.settings)
-        measured = Peak(
-            resident_bytes=loaded.device_bytes,
-            working_bytes=max(record.peak_memory_bytes - start, 0),
-            weights_bytes=weights,
-            largest_bytes=largest,
-        )
-        self.peaks.observe(self._shape(request, fit), loaded.rung, measured)
 
     def _ensure_loaded(
         self,
@@ -409,7 +290,7 @@ class Renderer:
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
             size = (request.width or 0, request.height or 0)
-            loras = self._apply_loras(loaded, request, watch, record)
+            loras = apply_loras(loaded, request, watch, record, self.info.streams)
             mode = request.mode or "txt2img"
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             start = dev.allocated_bytes(self.info)
@@ -443,114 +324,6 @@ class Renderer:
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
             return images, decoded
-
-    def _apply_loras(
-        self, loaded: LoadedPipeline, request: RenderRequest, watch: Stopwatch, record: TimingRecord
-    ) -> frozenset[str]:
-        """The request's adapters into the pipeline's slots at their weights (the load phase:
-        it is the adapters' load), every slot the job does not use at 0."""
-        choices = request.loras or []
-        record.loras = list(choices)
-        slots = loaded.adapters
-        if slots is None:
-            if choices:  # the manifest allowed none, and resolve_request said so at submit
-                raise AdapterRefused(f"model {loaded.manifest.id}: this pipeline has no adapters")
-            return frozenset()
-        if choices and loaded.rung in ("partial", "group_offload") and self.info.streams:
-            raise AdapterRefused(
-                f"model {loaded.manifest.id}: loras at rung {loaded.rung} with CUDA streams:"
-                " the offload keeps pinned copies of the weights it streams, which a hotswap"
-                " would not reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on"
-                " this card"
-            )
-        if slots.differs(choices):
-            with watch.phase("load"):
-                slots.apply(choices)
-        return frozenset(c.name for c in choices)
-
-    def _make_room(self, manifest: Manifest, rung: Rung) -> None:
-        """Evict least recently used pipelines until this rung's estimate fits."""
-        need = int(rung_need_gb(manifest, rung, fit_for(manifest, self.info, self.settings)) * GB)
-        free_now = int(self.usable_gb(reclaim=False) * GB)
-        evicted = self.cache.evict_beyond(self.settings.max_resident, keep=manifest.id)
-        evicted += self.cache.evict_lru_until(need, free_now, keep=manifest.id)
-        if evicted:
-            log.info("evicted %s to make room for %s at %s", evicted, manifest.id, rung)
-
-    def _free(self, keep: str | None) -> None:
-        """After an OOM: evict every other pipeline, collect garbage, empty the allocator cache."""
-        self.cache.evict_others(keep=keep)
-        release_memory(self.info)
-
-    def _reclaim(self, watch: Stopwatch, keep: str) -> None:
-        with watch.phase("load"):
-            self._free(keep=keep)
-
-    def _read_inputs(
-        self, request: RenderRequest
-    ) -> tuple[dict[str, Image.Image], list[InputDigest]]:
-        """The inputs as the pipeline takes them (image, mask_image), and each one's sha256."""
-        if request.image is None:
-            return {}, []
-        from worker.inputs import InputUnavailable, check_mask_size, load_input
-
-        image = load_input(request.image, self._redis, self.store, self.settings)
-        if image.image.size != (request.width, request.height):
-            width, height = image.image.size
-            raise InputUnavailable(
-                f"image {short(request.image)}: is {width}x{height}, not the job's size"
-                f" {request.width}x{request.height} (kiln never resizes an input)"
-            )
-        sources = {"image": image.image}
-        inputs = [InputDigest(field="image", sha256=image.sha256)]
-        if request.mask is not None:
-            mask = load_input(request.mask, self._redis, self.store, self.settings, field="mask")
-            check_mask_size(image.image, mask.image, request.mask)
-            sources["mask_image"] = mask.image
-            inputs.append(InputDigest(field="mask", sha256=mask.sha256))
-        return sources, inputs
-
-    @functools.cached_property
-    def _redis(self) -> Redis:
-        """Where uploaded inputs are read from: the worker's Redis, opened at the first one."""
-        return connect(self.settings.redis_url)
-
-    def _details(
-        self,
-        request: RenderRequest,
-        loaded: LoadedPipeline,
-        index: int,
-        inputs: list[InputDigest],
-    ) -> ImageDetails:
-        """What image `index` of this job carries inside its file: enough to render it again."""
-        return ImageDetails(
-            kiln=kiln_version(),
-            model=request.model,
-            revision=loaded.manifest.revision,
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            seed=int(request.seed or 0),
-            steps=int(request.steps or 0),
-            guidance=float(request.guidance or 0.0),
-            true_cfg=request.true_cfg,
-            scheduler=type(loaded.pipe.scheduler).__name__,
-            width=int(request.width or 0),
-            height=int(request.height or 0),
-            num_images=request.num_images,
-            index=index,
-            format=request.output_format,
-            rung=loaded.rung,
-            dtype=loaded.dtype_name,
-            compiled=loaded.compiled,
-            device=self.info.torch_device,
-            quantized=dict(loaded.quantized),
-            loras=[
-                LoraWeight(name=c.name, weight=float(c.weight or 0.0)) for c in request.loras or []
-            ],
-            inputs=inputs,
-            mode=request.mode or "txt2img",
-            strength=request.strength,
-        )
 
     def _result(
         self,
