@@ -68,6 +68,7 @@ from worker.families import spec_of  # noqa: E402
 from worker.faults import FaultPlan  # noqa: E402
 from worker.ladder import rung_need_gb  # noqa: E402
 from worker.loading import load_pipeline  # noqa: E402
+from worker.peaks import PeakBook  # noqa: E402
 from worker.quantize import unsupported_reason, weight_summary  # noqa: E402
 from worker.render import Renderer  # noqa: E402
 from worker.resident import LoadedPipeline  # noqa: E402
@@ -244,6 +245,7 @@ class Case:
         default_factory=lambda: {
             "build": 20.0,
             "full": 60.0,
+            "partial": 60.0,
             "model_offload": 60.0,
             "group_offload": 60.0,
             "quant": 60.0,
@@ -277,6 +279,7 @@ FLUX = Case(
     gpu_s={
         "build": 45.0,
         "full": 30.0,
+        "partial": 45.0,
         "model_offload": 40.0,
         "group_offload": 60.0,
         "quant": 50.0,
@@ -292,6 +295,7 @@ QWEN = Case(
     gpu_s={
         "build": 75.0,
         "full": 45.0,
+        "partial": 70.0,
         "model_offload": 60.0,
         "group_offload": 90.0,
         "quant": 80.0,
@@ -1133,16 +1137,20 @@ def _check_oom(run: Run, case: Case) -> None:
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         # 16-bit SDXL is ~7 GB of weights (UNet 5.1 GB): full cannot load and model_offload
-        # cannot hold the UNet, so the ladder must walk down to group_offload.
+        # cannot hold the UNet, so the ladder walks down past full (partial may hold it).
         cap_gb = 4.0
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(cap_gb * 1e9 / total, 0)
         how = f"real: set_per_process_memory_fraction to {cap_gb} GB of {total / 1e9:.0f} GB"
     else:
         # No allocator cap on CPU: drill the same sequence with KILN_FAULTS.
-        auto = auto.model_copy(update={"faults": "oom@load:full,oom@denoise:model_offload*2"})
-        how = "drilled: KILN_FAULTS=oom@load:full,oom@denoise:model_offload*2 (no GPU)"
+        drill = "oom@load:full,oom@load:partial,oom@denoise:model_offload*2"
+        auto = auto.model_copy(update={"faults": drill})
+        how = f"drilled: KILN_FAULTS={drill} (no GPU)"
     renderer = _RecordingRenderer(auto, manifest)
+    # The drill walks the ladder from the declared figures: what this run measured so far
+    # (worker.peaks) would place the model below the rungs it means to fail.
+    renderer.peaks = PeakBook(None, "gpu-check oom drill")
     try:
         job = _job(renderer, manifest, run.steps(case), "oom")
         run.report.oom = {"how": how, **job}

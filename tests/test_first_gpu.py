@@ -120,9 +120,9 @@ def test_fp16_sdxl_vae_is_fp32_before_group_offload_places_it(
     dtypes_at_placement: list[torch.dtype] = []
     place = worker.loading._place
 
-    def spy(pipe: Any, rung: Any, info: Any) -> None:
-        dtypes_at_placement.append(next(pipe.vae.parameters()).dtype)
-        place(pipe, rung, info)
+    def spy(loaded: Any, info: Any) -> None:
+        dtypes_at_placement.append(next(loaded.pipe.vae.parameters()).dtype)
+        place(loaded, info)
 
     monkeypatch.setattr(worker.loading, "_place", spy)
     settings = make_settings(device_profile="t4", memory_mode="group_offload")
@@ -227,11 +227,11 @@ def job(renderer: Renderer, size: tuple[int, int], n: int) -> Any:
 
 
 def pushed_down_at_b(renderer: Renderer) -> list[Any]:
-    """A at full, then B out of memory at full twice: B descends and remembers model_offload."""
+    """A at full, then B out of memory at full twice: B descends and remembers partial."""
     first = job(renderer, A, 0)
     renderer.faults = FaultPlan.parse("oom@denoise:full*2")
     second = job(renderer, B, 1)
-    assert (first.rung, second.rung) == ("full", "model_offload")
+    assert (first.rung, second.rung) == ("full", "partial")
     return [first, second]
 
 
@@ -240,7 +240,7 @@ def test_alternating_sizes_with_different_rungs_load_at_most_twice(settings: Any
     jobs = pushed_down_at_b(renderer)
     jobs += [job(renderer, size, n) for n, size in enumerate([A, B, A, B, A, B], start=2)]
     assert sum(1 for r in jobs if r.timings.load > 0) == 2
-    assert {r.rung for r in jobs[2:]} == {"model_offload"}
+    assert {r.rung for r in jobs[2:]} == {"partial"}
     assert "192x128 remembered at or below it" in jobs[2].rung_reason
 
 
@@ -248,10 +248,10 @@ def test_a_remembered_rung_goes_back_up_after_clean_jobs(settings: Any) -> None:
     renderer = make_renderer(settings, ["tiny-sd15"])
     renderer.rungs.forget_after = 2
     pushed_down_at_b(renderer)
-    assert [job(renderer, B, n).rung for n in (2, 3)] == ["model_offload", "model_offload"]
+    assert [job(renderer, B, n).rung for n in (2, 3)] == ["partial", "partial"]
     back = job(renderer, A, 4)  # B's ceiling is forgotten: nothing holds the model down
     assert back.rung == "full" and back.timings.load > 0
-    assert back.rung_reason.startswith("back up from model_offload")
+    assert back.rung_reason.startswith("back up from partial")
     assert job(renderer, B, 5).rung == "full"
 
 
@@ -260,11 +260,11 @@ def test_a_remembered_rung_goes_back_up_when_memory_grows(make_settings: Any) ->
     settings = make_settings(device_profile="l4", vram_budget_gb=0.3)
     renderer = make_renderer(settings, ["tiny-sd15"])
     renderer.faults = FaultPlan.parse("oom@denoise:full*2")
-    assert job(renderer, A, 0).rung == "model_offload"
+    assert job(renderer, A, 0).rung == "partial"
     assert job(renderer, A, 1).rung_reason.startswith("remembered")
     renderer.settings.vram_budget_gb = 2.0
     up = job(renderer, A, 2)
-    assert up.rung == "full" and up.rung_reason.startswith("back up from model_offload")
+    assert up.rung == "full" and up.rung_reason.startswith("back up from partial")
 
 
 # -- answered from disk --------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_wait_shows_progress_from_the_events_and_returns_the_done_events_result(
 
     follower = threading.Thread(target=follow)
     follower.start()
-    pace_here(monkeypatch, 0.1)  # 8 steps outlast a progress interval, however fast the machine
+    pace_here(monkeypatch, 0.3)  # 8 steps (2.4 s) outlast two progress intervals (1 s each)
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     follower.join(timeout=30)
     assert not follower.is_alive() and "error" not in outcome, outcome
