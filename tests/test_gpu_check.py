@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from api_client.schema import RUNGS  # every rung, partial included
 from tests.conftest import ROOT
 
 FAMILIES = ("flux", "qwenimage", "sd15", "sdxl", "sd3")
-from api_client.schema import RUNGS  # every rung, partial included
 # worker.quantize.unsupported_reason on a CPU
 NO_FLOAT8 = "float8 needs a CUDA or ROCm device (torchao kernels); this is cpu"
 

@@ -90,9 +90,7 @@ class EventJournal:
             detail="re-queued after a worker shutdown" if kind == "queued" else None,
         )
         # The stream keeps the lifetime its submit gave it (worker/execution.py start).
-        events.add_events(
-            pipe, [*self._drain(), end], expire=False, retention_s=self.retention_s
-        )
+        events.add_events(pipe, [*self._drain(), end], expire=False, retention_s=self.retention_s)
         return end
 
 
