@@ -99,11 +99,11 @@ def test_the_ram_cache_drops_its_oldest_beyond_its_bound(settings: Any) -> None:
     cache = RamCache(bound)
     order = sorted(pipes, key=lambda m: sizes[m])
     for model in order:
-        assert cache.keep(pipes[model])
+        assert cache.keep(pipes[model], sizes[model])
     assert cache.model_ids() == order[1:] and cache.held_bytes() <= bound
     assert pipes[order[0]].pipe is None, "the dropped pipeline's weights are released"
     assert cache.take(order[1]) is pipes[order[1]] and cache.take(order[1]) is None
-    assert not RamCache(min(sizes.values()) - 1).keep(_loaded(settings, order[0]))
+    assert not RamCache(sizes[order[0]] - 1).keep(_loaded(settings, order[0]), sizes[order[0]])
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_resident", -1), ("ram_cache_gb", -0.5)])

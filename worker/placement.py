@@ -104,18 +104,19 @@ class Placement:
         """Why this worker must take no job now: every served model's measured need at the
         lowest rung is above the memory it could have (evicting everything); None otherwise,
         and while any model's need is only the manifest's estimate (that one is tried)."""
-        room = self.usable_gb()
-        over = []
+        needs = {}
         for manifest in self.manifests.values():
             if manifest.benchmark_only:
                 continue
             need = lowest_need_gb(self.peaks, manifest.id)
-            if need is None or need <= room:
+            if need is None:  # an estimate only: no memory probe before every dequeue
                 return None
-            over.append(f"{manifest.id} needs {need:.2f} GB")
-        if not over:
+            needs[manifest.id] = need
+        room = self.usable_gb()
+        if not needs or min(needs.values()) <= room:
             return None
-        return f"waiting for memory: {room:.2f} GB usable, and {'; '.join(over)} at its lowest rung"
+        over = "; ".join(f"{model} needs {need:.2f} GB" for model, need in needs.items())
+        return f"waiting for memory: {room:.2f} GB usable, and {over} at its lowest rung"
 
     def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
         """What a job's memory depends on besides its rung (worker.peaks)."""

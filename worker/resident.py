@@ -143,13 +143,12 @@ class RamCache:
         self.bound_bytes = bound_bytes
         self._kept: OrderedDict[str, tuple[LoadedPipeline, int]] = OrderedDict()
 
-    def fits(self, loaded: LoadedPipeline) -> bool:
-        return 0 < host_bytes(loaded.pipe) <= self.bound_bytes
+    def fits(self, size: int) -> bool:
+        return 0 < size <= self.bound_bytes
 
-    def keep(self, loaded: LoadedPipeline) -> bool:
-        """Take an evicted pipeline onto the host; False when it cannot fit at all."""
-        size = host_bytes(loaded.pipe)
-        if not 0 < size <= self.bound_bytes:
+    def keep(self, loaded: LoadedPipeline, size: int) -> bool:
+        """Take an evicted pipeline of size host bytes onto the host; False when it cannot fit."""
+        if not self.fits(size):
             return False
         _to_host(loaded)
         self._kept[loaded.manifest.id] = (loaded, size)
@@ -213,12 +212,13 @@ class PipelineCache:
             return None
         # Into RAM, the weights move and nothing is left for the collector: a full gc.collect()
         # took 0.22 s here each time, more than the rest of a tiny model's switch.
-        to_ram = to_ram and self.ram.fits(loaded)
+        size = host_bytes(loaded.pipe) if to_ram else 0
+        to_ram = self.ram.fits(size)
         if not to_ram:
             release_memory(self.info)
         before = dev.allocated_bytes(self.info)
         rung = loaded.rung
-        kept = to_ram and self.ram.keep(loaded)
+        kept = to_ram and self.ram.keep(loaded, size)
         if not kept:
             _release(loaded)
         del loaded
