@@ -226,3 +226,20 @@ def test_a_pull_fetches_a_hub_adapter_file_and_skips_a_local_one(settings: Any) 
     [_pipeline, adapter] = fetches(manifest, settings.models_dir)
     assert (adapter.repo, adapter.allow_patterns) == ("someone/flux-detail", ["detail.safetensors"])
     assert adapter.marker == "detail.safetensors"
+
+
+def test_a_lora_job_on_a_streamed_offload_is_refused_naming_why(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    """A T4 profile streams group offload: its pinned copies would keep the old adapter."""
+    settings = make_settings(device_profile="t4", memory_mode="group_offload")
+    client = client_for(redis_conn, settings)
+    job = client.submit(
+        {"model": "tiny-sd15", "prompt": "a fox", "steps": 2, "loras": [{"name": "detail"}]}
+    )
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    [record] = records(settings.timings_log)
+    assert record.status == "failed"
+    assert "loras at rung group_offload with CUDA streams" in (record.error or "")
+    assert "pin rung model_offload" in (record.error or "")
+    assert job.status() == "failed"
