@@ -12,6 +12,8 @@ The rule, per worker:
 
 KilnWorker.reorder_queues (worker/queue.py) asks LaneOrder for the next order after each pop;
 RQ's dequeue then pops the first queue in it that holds a job (one BLPOP over all of them).
+The same order says which model's job comes next, which the prefetcher reads ahead
+(worker/prefetch.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ class LaneOrder:
         if self.batch and self.interactive_in_a_row >= BATCH_EVERY - 1:
             return [*self.batch, *self.interactive]
         return [*self.interactive, *self.batch]
+
+    def upcoming_model(self) -> str | None:
+        """The model of the job the next pop would take: the first queue, in the next pop's
+        order, that holds a job (one round trip of LLENs). None when all are empty, and without
+        asking Redis when every queue is one model's (worker.prefetch reads no other model)."""
+        queues = self.order()
+        if len({keys.model_of(q.name) for q in queues}) < 2:
+            return None
+        with queues[0].connection.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.llen(queue.key)
+            lengths = pipe.execute()
+        holding = [q for q, n in zip(queues, lengths, strict=True) if n]
+        return keys.model_of(holding[0].name) if holding else None
 
     def after(self, taken: Queue) -> list[Queue]:
         """The order once a job was taken from taken: its lane's turn passes to the next

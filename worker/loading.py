@@ -1,5 +1,6 @@
-"""Loading a manifest's pipeline onto a rung: weights and precision, from_pretrained on the host,
-scheduler, the switches, placement on the rung, and compile at full."""
+"""Loading a manifest's pipeline onto a rung, in two parts: on the host, whatever the rung
+(weights and precision, from_pretrained, scheduler, the switches, LoRA slots), then its placement
+on the rung (the rung's switches, the partial split, offload hooks, compile at full)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from worker.ladder import usable_gb as ladder_usable
 from worker.manifest import weights_source
 from worker.partial import PartialSplit, place_partial, split_for
 from worker.quantize import pick_schemes
-from worker.resident import DTYPES, LoadedPipeline
+from worker.resident import DTYPES, LoadedPipeline, host_bytes
 from worker.settings import Settings
-from worker.switches import apply_compile, apply_switches, switch
+from worker.switches import apply_compile, apply_rung_switches, apply_switches, switch
 from worker.vae import load_vae_override, upcast_before_placement
 
 
@@ -70,18 +71,26 @@ def load_pipeline(
     compile_pin: bool | None = None,
     usable_gb: float | None = None,
 ) -> LoadedPipeline:
-    """from_pretrained on the host, then quantize, switch, place on the rung, compile at full
-    (or as compile_pin, a request's, says: switches.compile_plan). usable_gb: what the partial
-    rung splits the denoiser's blocks by (None: the device's free memory now, less the reserve
-    and capped by the budget)."""
+    """from_pretrained on the host (read_pipeline), then its first placement on the rung
+    (place_read; compile_pin and usable_gb are its)."""
     started = time.perf_counter()
-    before = dev.allocated_bytes(info)
+    faults.check("load", rung)
+    loaded = read_pipeline(manifest, info, settings)
+    place_read(loaded, rung, info, settings, None, compile_pin, usable_gb)
+    loaded.load_s = time.perf_counter() - started
+    return loaded
+
+
+def read_pipeline(manifest: Manifest, info: DeviceInfo, settings: Settings) -> LoadedPipeline:
+    """Everything a load does on the host, whatever the rung: from_pretrained, scheduler,
+    quantization, the switches that do not depend on the rung, LoRA slots and the VAE upcast.
+    Nothing touches the device, so the prefetcher (worker.prefetch) runs it in a thread beside a
+    render. The pipeline is not placed: its rung is chosen when a job takes it."""
     # 1. Resolve the weights and precision.
     source = weights_source(manifest, settings.models_dir)
     dtype, dtype_reason = choose_dtype(manifest, info)
     report = SettingsReport()
     report.add("applied", "precision", dtype_reason)
-    faults.check("load", rung)
     # 2. Load on the host; placement comes after quantization.
     import diffusers
     import transformers
@@ -101,26 +110,43 @@ def load_pipeline(
     pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     loaded = LoadedPipeline(
-        manifest=manifest,
-        pipe=pipe,
-        rung=rung,
-        dtype=dtype,
-        settings=report,
-        compile_pin=compile_pin,
+        manifest=manifest, pipe=pipe, rung="full", dtype=dtype, settings=report, placed=False
     )
-    # 3. Scheduler, quantization, switches, placement, compile: each reports what it did.
+    # 3. Scheduler, quantization, switches: each reports what it did.
     _set_scheduler(pipe, manifest)
     apply_switches(loaded, info, settings)
     _prepare_adapters(loaded, settings)
     upcast_before_placement(loaded)
+    return loaded
+
+
+def place_read(
+    loaded: LoadedPipeline,
+    rung: Rung,
+    info: DeviceInfo,
+    settings: Settings,
+    faults: FaultPlan | None,
+    compile_pin: bool | None = None,
+    usable_gb: float | None = None,
+) -> LoadedPipeline:
+    """A pipeline read_pipeline made (a prefetched one), placed for the first time: the rung's
+    own switch (VAE tiling), the partial split, placement, compile at full (or as compile_pin, a
+    request's, says: switches.compile_plan). usable_gb: what the partial rung splits the
+    denoiser's blocks by (None: the device's free memory now, less the reserve and capped by
+    the budget). faults: the drill's load check (None: the caller made it)."""
+    assert not loaded.placed, "a pipeline is placed for the first time once"
+    started = time.perf_counter()
+    before = dev.allocated_bytes(info)
+    if faults is not None:
+        faults.check("load", rung)
+    loaded.rung, loaded.compile_pin, loaded.placed = rung, compile_pin, True
+    apply_rung_switches(loaded, info, settings)
     if rung == "partial":
         loaded.partial = _split(loaded, info, settings, usable_gb)
-        report.add("applied", "partial", loaded.partial.reason)
+        loaded.settings.add("applied", "partial", loaded.partial.reason)
     _place(loaded, info)
     apply_compile(loaded, info, settings)
-    dev.synchronize(info)
-    loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
-    loaded.load_s = time.perf_counter() - started
+    _measure_placement(loaded, info, before, started)
     return loaded
 
 
@@ -150,10 +176,22 @@ def place_again(loaded: LoadedPipeline, info: DeviceInfo, faults: FaultPlan) -> 
     before = dev.allocated_bytes(info)
     faults.check("load", loaded.rung)
     _place(loaded, info)
-    dev.synchronize(info)
-    loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
-    loaded.load_s = time.perf_counter() - started
+    _measure_placement(loaded, info, before, started)
     return loaded
+
+
+def _measure_placement(
+    loaded: LoadedPipeline, info: DeviceInfo, before: int, started: float
+) -> None:
+    """The device memory a placement took, and the seconds since its load began. On a CPU the
+    host is the device: what the pipeline's modules hold, since the resident set's growth
+    counts what a read left behind and misses a pipeline that was already on the host."""
+    dev.synchronize(info)
+    if info.torch_device == "cpu":
+        loaded.device_bytes = host_bytes(loaded.pipe)
+    else:
+        loaded.device_bytes = max(dev.allocated_bytes(info) - before, 0)
+    loaded.load_s = time.perf_counter() - started
 
 
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -195,6 +233,8 @@ def _place(loaded: LoadedPipeline, info: DeviceInfo) -> None:
     target = torch.device(info.torch_device)
     # Streams need the real device to have them, whatever card the decisions are made as.
     cuda = target.type == "cuda" and info.streams
+    if loaded.preview_vae is not None:  # a few MB, on the device at every rung
+        loaded.preview_vae.to(target)
     if rung == "full":
         pipe.to(target)
     elif rung == "partial":

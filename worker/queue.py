@@ -150,6 +150,7 @@ class KilnWorker(LeaseKeeper, StatePublisher, SimpleWorker):
         self.job_timeout_s = job_timeout_s
         self.served = list(dict.fromkeys(keys.model_of(q.name) for q in self.queues))
         self.lanes = LaneOrder(self.queues)
+        renderer.prefetcher.upcoming = self.lanes.upcoming_model  # what to read ahead
         self._ordered_queues = self.lanes.order()
         self.init_lease()
         self._last_exception: BaseException | None = None

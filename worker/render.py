@@ -45,8 +45,9 @@ from worker.ladder import (
     RungMemory,
     is_oom,
 )
-from worker.loading import load_pipeline, place_again
+from worker.loading import load_pipeline, place_again, place_read
 from worker.placement import Placement
+from worker.prefetch import Prefetcher
 from worker.resident import LoadedPipeline, PipelineCache
 from worker.settings import Settings
 from worker.store import Store, open_store
@@ -78,6 +79,9 @@ class Renderer(Placement):
         self.cache = PipelineCache(self.info, int(settings.ram_cache_gb * GB))
         self.rungs = RungMemory()
         self.faults = FaultPlan.parse(settings.faults)
+        # Reads the next job's model into the RAM cache while a job renders; a queue worker
+        # tells it what comes next (worker.prefetch).
+        self.prefetcher = Prefetcher(self.cache, manifests, self.info, settings)
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
 
     @property
@@ -127,6 +131,7 @@ class Renderer(Placement):
             with _named_pin(request, manifest.id, record.attempts):
                 loaded = self._ensure_loaded(manifest, choice.rung, pin, ladder, watch, record)
                 _checkpoint(ctx, "after loading")
+                self.prefetcher.after_load(manifest.id, ctx.job_id)
                 # 4. Encode, denoise, decode; out of memory follows the ladder's rules, and one
                 #    in decode keeps the latents (Ladder.decode: tiled, then a rung lower).
                 reclaim = functools.partial(self._reclaim, watch, keep=manifest.id)
@@ -224,15 +229,20 @@ class Renderer(Placement):
         record.cold = True
 
         def load(at: Rung) -> LoadedPipeline:
-            self._make_room(manifest, at)
+            # Its read ahead, if one is in flight, then its RAM copy, before making room: the
+            # pipelines evicted for it go into the RAM cache too, and must not push it out.
+            self.prefetcher.wait_for(manifest.id)
             kept = self.cache.ram.take(manifest.id)
-            if kept is not None and self._serves(kept, at, pin):
+            self._make_room(manifest, at)
+            room = self.usable_gb(reclaim=False)  # what a partial load splits its blocks by
+            if kept is not None and (not kept.placed or self._serves(kept, at, pin)):
                 record.load_source = "ram"
+                if not kept.placed:  # read ahead, never placed: any rung's first placement
+                    return place_read(kept, at, self.info, self.settings, self.faults, pin, room)
                 return place_again(kept, self.info, self.faults)
             if kept is not None:  # kept at another rung or compile state: not this job's
                 self.cache.release(kept)
             record.load_source = "disk"
-            room = self.usable_gb(reclaim=False)  # what a partial load splits its blocks by
             return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin, room)
 
         with watch.phase("load"):
@@ -293,7 +303,7 @@ class Renderer(Placement):
             loras = apply_loras(loaded, request, watch, record, self.info.streams)
             mode = request.mode or "txt2img"
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
-            start = dev.allocated_bytes(self.info)
+            start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
             try:
                 images, decoded = generate(
                     loaded,
@@ -317,7 +327,10 @@ class Renderer(Placement):
                 continue
             built = graphs_compiled() - graphs_before
             loaded.adapter_sets.add(loras)
-            if decoded is loaded:  # a decode retried a rung lower measured two pipelines
+            # Not where a decode retried a rung lower (two pipelines), nor on a CPU beside a
+            # read ahead (it grows the resident set a CPU job's peak is taken from).
+            beside_read = self.info.torch_device == "cpu" and not self.prefetcher.quiet(reads)
+            if decoded is loaded and not beside_read:
                 self._measure(loaded, request, record, start)
             if loaded.compiled and ran_before and built:
                 loaded.recompiles += built

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ class LoadedPipeline:
     adapter_sets: set[frozenset[str]] = field(default_factory=set)  # LoRA sets run, so far
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
     partial: PartialSplit | None = None  # at the partial rung: its denoiser's blocks, split
+    # False for a pipeline read on the host and never placed (a prefetched one): its rung is
+    # the first job's, and any rung's placement fits it (worker.loading.place_read).
+    placed: bool = True
 
     @property
     def dtype_name(self) -> str:
@@ -137,11 +141,13 @@ class RamCache:
     """Evicted pipelines kept in host memory, least recently used first, up to a byte bound
     (KILN_RAM_CACHE_GB), so going back to a model is a placement, not a read from disk. Each
     is kept as it was loaded (quantized, switched, adapters in its slots, compile wrappers on)
-    with its offload hooks off and its weights on the host."""
+    with its offload hooks off and its weights on the host; a prefetched one as it was read,
+    never placed. The prefetcher's thread keeps while the render's takes: one lock."""
 
     def __init__(self, bound_bytes: int) -> None:
         self.bound_bytes = bound_bytes
         self._kept: OrderedDict[str, tuple[LoadedPipeline, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def fits(self, size: int) -> bool:
         return 0 < size <= self.bound_bytes
@@ -151,22 +157,29 @@ class RamCache:
         if not self.fits(size):
             return False
         _to_host(loaded)
-        self._kept[loaded.manifest.id] = (loaded, size)
-        while self.held_bytes() > self.bound_bytes:
-            model_id, (oldest, _) = self._kept.popitem(last=False)
-            log.info("ram cache: dropped %s (bound %d bytes)", model_id, self.bound_bytes)
-            _release(oldest)
+        with self._lock:
+            replaced = self._kept.pop(loaded.manifest.id, None)
+            if replaced is not None and replaced[0] is not loaded:
+                _release(replaced[0])
+            self._kept[loaded.manifest.id] = (loaded, size)
+            while sum(size for _, size in self._kept.values()) > self.bound_bytes:
+                model_id, (oldest, _) = self._kept.popitem(last=False)
+                log.info("ram cache: dropped %s (bound %d bytes)", model_id, self.bound_bytes)
+                _release(oldest)
         return True
 
     def take(self, model_id: str) -> LoadedPipeline | None:
-        entry = self._kept.pop(model_id, None)
+        with self._lock:
+            entry = self._kept.pop(model_id, None)
         return None if entry is None else entry[0]
 
     def held_bytes(self) -> int:
-        return sum(size for _, size in self._kept.values())
+        with self._lock:
+            return sum(size for _, size in self._kept.values())
 
     def model_ids(self) -> list[str]:
-        return list(self._kept)
+        with self._lock:
+            return list(self._kept)
 
 
 def host_bytes(pipe: Any) -> int:

@@ -88,8 +88,10 @@ def _preview_decision(manifest: Manifest, value: Switch) -> Decision:
 
 
 def apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
-    """Everything that acts on the pipeline before placement, in this order, as decided."""
-    decided = decide_switches(loaded.manifest, loaded.rung, info, settings)
+    """What acts on the pipeline on the host, whatever its rung, in this order, as decided: a
+    prefetched pipeline (worker.prefetch) has no rung yet. VAE tiling is apply_rung_switches'."""
+    # Only vae_tiling's decision depends on the rung, and it is not applied here.
+    decided = decide_switches(loaded.manifest, "full", info, settings)
     _quantize(loaded, info, settings)
     if decided["sdpa"].kind == "skipped":  # switched off: diffusers' classic processor
         from diffusers.models.attention_processor import AttnProcessor
@@ -99,11 +101,17 @@ def apply_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings)
         loaded.denoiser.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if decided["attention_slicing"].kind == "applied":
         loaded.pipe.enable_attention_slicing()
-    if decided["vae_tiling"].kind == "applied":
-        loaded.pipe.vae.enable_tiling()
-    for name in ("sdpa", "channels_last", "attention_slicing", "vae_tiling"):
+    for name in ("sdpa", "channels_last", "attention_slicing"):
         loaded.settings.add(decided[name].kind, name, decided[name].reason)
-    _taesd_preview(loaded, info, settings, decided["taesd_preview"])
+    _taesd_preview(loaded, settings, decided["taesd_preview"])
+
+
+def apply_rung_switches(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
+    """The switch that depends on the rung (VAE tiling, on by default off full), at placement."""
+    tiling = decide_switches(loaded.manifest, loaded.rung, info, settings)["vae_tiling"]
+    if tiling.kind == "applied":
+        loaded.pipe.vae.enable_tiling()
+    loaded.settings.add(tiling.kind, "vae_tiling", tiling.reason)
 
 
 def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> None:
@@ -134,9 +142,7 @@ def _quantize(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) -> N
             report.add("skipped", f"quantize:{component}", refused or pick.reason)
 
 
-def _taesd_preview(
-    loaded: LoadedPipeline, info: DeviceInfo, settings: Settings, decision: Decision
-) -> None:
+def _taesd_preview(loaded: LoadedPipeline, settings: Settings, decision: Decision) -> None:
     """TAESD decodes a latent in milliseconds: a preview a few times per job for the client.
 
     A preview is a convenience: if its weights cannot be loaded the job goes on without one.
@@ -153,8 +159,9 @@ def _taesd_preview(
     except Exception as exc:
         report.add("skipped", "taesd_preview", f"cannot load taesd {manifest.taesd!r}: {exc}")
         return
-    # A few MB: it stays on the device at every rung, so previews never wait for an offload.
-    loaded.preview_vae = taesd.to(info.torch_device).eval()
+    # A few MB: placement puts it on the device at every rung, so previews never wait for an
+    # offload (worker.loading._place).
+    loaded.preview_vae = taesd.eval()
     report.add("applied", "taesd_preview", decision.reason)
 
 
