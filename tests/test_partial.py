@@ -13,6 +13,8 @@ from redis import Redis
 from api_client import RenderFailed
 from api_client.schema import RenderResult
 from tests.helpers import burst, client_for, make_renderer, records
+from worker import peaks
+from worker.device import probe
 from worker.ladder import GB
 from worker.partial import MARGIN, denoiser_blocks, module_bytes, plan_split
 from worker.render import Renderer
@@ -77,6 +79,36 @@ def test_a_budget_between_group_offload_and_full_runs_partial_and_records_the_sp
     note = next(n.reason for n in result.settings.applied if n.name == "partial")
     assert note.startswith(f"{resident} of {len(block_bytes)} denoiser blocks resident")
     assert not result.compiled
+
+
+def test_the_split_plans_with_fulls_measured_need_over_the_manifests(
+    redis_conn: Redis, make_settings: Any, block_bytes: list[int]
+) -> None:
+    """Full measured on this card kind above min_vram_gb: the non-block need is the measured
+    full need less the blocks, so fewer blocks stay than the manifest's figure would keep."""
+    budget = budget_for(block_bytes, 3)
+    blocks_gb = sum(block_bytes) / GB
+    measured = FULL_NEED_GB + blocks_gb / 2  # what full's jobs took here
+    planned = measured * (1 + peaks.MARGIN)
+    expected = plan_split(block_bytes, budget, planned)
+    assert expected.resident < plan_split(block_bytes, budget, FULL_NEED_GB).resident == 3
+    settings = make_settings(vram_budget_gb=budget, vram_reserve_gb=0.0)
+    book = peaks.PeakBook(redis_conn, peaks.card_kind(probe(settings).name, None))
+    shape = peaks.Shape(MODEL, 128, 128, "fp32", (), "txt2img")
+    size = int(measured * GB)
+    book.observe(
+        shape,
+        "full",
+        peaks.Peak(
+            resident_bytes=size, working_bytes=0, weights_bytes=size, largest_bytes=size // 2
+        ),
+    )
+    result, record, _ = run(redis_conn, settings)
+    assert record.rung == "partial" and record.partial_blocks is not None
+    split = (record.partial_blocks.resident, record.partial_blocks.streamed)
+    assert split == (expected.resident, expected.streamed)
+    note = next(n.reason for n in result.settings.applied if n.name == "partial")
+    assert f"{planned - blocks_gb:.3f} GB for everything but the blocks" in note
 
 
 def test_a_pinned_partial_never_descends(redis_conn: Redis, make_settings: Any) -> None:

@@ -110,6 +110,8 @@ class RungChoice:
     reason: str
     usable_gb: float | None = None  # what the choice planned with, when it looked at memory
     measured: bool = False  # the rung's need came from this card kind's measurements
+    # full's need from those measurements, if any: what the partial rung splits its blocks by.
+    full_need_gb: float | None = None
 
 
 def usable_gb(

@@ -70,13 +70,14 @@ def load_pipeline(
     faults: FaultPlan,
     compile_pin: bool | None = None,
     usable_gb: float | None = None,
+    full_need_gb: float | None = None,
 ) -> LoadedPipeline:
     """from_pretrained on the host (read_pipeline), then its first placement on the rung
-    (place_read; compile_pin and usable_gb are its)."""
+    (place_read; compile_pin, usable_gb and full_need_gb are its)."""
     started = time.perf_counter()
     faults.check("load", rung)
     loaded = read_pipeline(manifest, info, settings)
-    place_read(loaded, rung, info, settings, None, compile_pin, usable_gb)
+    place_read(loaded, rung, info, settings, None, compile_pin, usable_gb, full_need_gb)
     loaded.load_s = time.perf_counter() - started
     return loaded
 
@@ -128,12 +129,14 @@ def place_read(
     faults: FaultPlan | None,
     compile_pin: bool | None = None,
     usable_gb: float | None = None,
+    full_need_gb: float | None = None,
 ) -> LoadedPipeline:
     """A pipeline read_pipeline made (a prefetched one), placed for the first time: the rung's
     own switch (VAE tiling), the partial split, placement, compile at full (or as compile_pin, a
-    request's, says: switches.compile_plan). usable_gb: what the partial rung splits the
-    denoiser's blocks by (None: the device's free memory now, less the reserve and capped by
-    the budget). faults: the drill's load check (None: the caller made it)."""
+    request's, says: switches.compile_plan). The partial rung splits the denoiser's blocks by
+    usable_gb (None: the device's free memory now, less the reserve and capped by the budget)
+    and full_need_gb (full's measured need; None: the manifest's). faults: the drill's load
+    check (None: the caller made it)."""
     assert not loaded.placed, "a pipeline is placed for the first time once"
     started = time.perf_counter()
     before = dev.allocated_bytes(info)
@@ -142,7 +145,7 @@ def place_read(
     loaded.rung, loaded.compile_pin, loaded.placed = rung, compile_pin, True
     apply_rung_switches(loaded, info, settings)
     if rung == "partial":
-        loaded.partial = _split(loaded, info, settings, usable_gb)
+        loaded.partial = _split(loaded, info, settings, usable_gb, full_need_gb)
         loaded.settings.add("applied", "partial", loaded.partial.reason)
     _place(loaded, info)
     apply_compile(loaded, info, settings)
@@ -216,14 +219,20 @@ def _set_scheduler(pipe: Any, manifest: Manifest) -> None:
 
 
 def _split(
-    loaded: LoadedPipeline, info: DeviceInfo, settings: Settings, usable: float | None
+    loaded: LoadedPipeline,
+    info: DeviceInfo,
+    settings: Settings,
+    usable: float | None,
+    full_need: float | None,
 ) -> PartialSplit:
-    """The partial rung's split of the denoiser's blocks, from their measured bytes."""
+    """The partial rung's split of the denoiser's blocks, from their measured bytes, and full's
+    need: as this card kind measured it, else the manifest's figure."""
     manifest = loaded.manifest
     if usable is None:
         free = dev.free_bytes(info)
         usable = ladder_usable(free, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
-    full_need = rung_need_gb(manifest, "full", fit_for(manifest, info, settings))
+    if full_need is None:
+        full_need = rung_need_gb(manifest, "full", fit_for(manifest, info, settings))
     return split_for(loaded.denoiser, usable, full_need)
 
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 KEY = "kiln:peaks"  # hash: "<card>|<shape>|<rung>" -> Peak JSON; bounded by models x sizes x rungs
 MARGIN = 0.15  # needs are planned 15 % above what was measured: one job's peak is not the worst
-GB = 1024**3
+GB = 1e9  # the ladder's unit (worker.ladder.GB): needs are compared with its usable GB
 
 
 class Peak(BaseModel):

@@ -98,7 +98,9 @@ class Placement:
         ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
         ceilings = self.rungs.ceilings(manifest.id)
         choice = choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
-        return dataclasses.replace(choice, measured=choice.rung in fit.measured)
+        return dataclasses.replace(
+            choice, measured=choice.rung in fit.measured, full_need_gb=fit.measured.get("full")
+        )
 
     def cannot_fit(self) -> str | None:
         """Why this worker must take no job now: every served model's measured need at the

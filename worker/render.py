@@ -9,6 +9,7 @@ callbacks the Ladder runs, and read best beside the steps that hand them over. W
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -39,12 +40,7 @@ from worker.families import cfg_active
 from worker.faults import FaultPlan
 from worker.generate import DecodeRules, apply_loras, generate
 from worker.inputs import read_inputs
-from worker.ladder import (
-    GB,
-    Ladder,
-    RungMemory,
-    is_oom,
-)
+from worker.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
 from worker.loading import load_pipeline, place_again, place_read
 from worker.placement import Placement
 from worker.prefetch import Prefetcher
@@ -129,14 +125,20 @@ class Renderer(Placement):
             record.rung_reason = choice.reason
             record.planned_from = "measured" if choice.measured else "declared"
             with _named_pin(request, manifest.id, record.attempts):
-                loaded = self._ensure_loaded(manifest, choice.rung, pin, ladder, watch, record)
+                loaded = self._ensure_loaded(manifest, choice, pin, ladder, watch, record)
                 _checkpoint(ctx, "after loading")
                 self.prefetcher.after_load(manifest.id, ctx.job_id)
                 # 4. Encode, denoise, decode; out of memory follows the ladder's rules, and one
                 #    in decode keeps the latents (Ladder.decode: tiled, then a rung lower).
                 reclaim = functools.partial(self._reclaim, watch, keep=manifest.id)
                 reload = functools.partial(
-                    self._reload, manifest, pin=pin, ladder=ladder, watch=watch, record=record
+                    self._reload,
+                    manifest,
+                    choice,
+                    pin=pin,
+                    ladder=ladder,
+                    watch=watch,
+                    record=record,
                 )
                 decode = functools.partial(ladder.decode, reclaim=reclaim, reload=reload)
                 images, loaded = ladder.generate(
@@ -215,14 +217,15 @@ class Renderer(Placement):
     def _ensure_loaded(
         self,
         manifest: Manifest,
-        rung: Rung,
+        choice: RungChoice,
         pin: bool | None,
         ladder: Ladder,
         watch: Stopwatch,
         record: TimingRecord,
     ) -> LoadedPipeline:
-        """The resident pipeline at this rung and compile state (the request's pin, else this
-        worker's), else a load under the ladder's loading rules."""
+        """The resident pipeline at the chosen rung and compile state (the request's pin, else
+        this worker's), else a load under the ladder's loading rules."""
+        rung, full_need = choice.rung, choice.full_need_gb
         resident = self.cache.get(manifest.id)
         if resident is not None and self._serves(resident, rung, pin):
             return resident
@@ -234,16 +237,17 @@ class Renderer(Placement):
             self.prefetcher.wait_for(manifest.id)
             kept = self.cache.ram.take(manifest.id)
             self._make_room(manifest, at)
-            room = self.usable_gb(reclaim=False)  # what a partial load splits its blocks by
+            # What a partial load splits its blocks by: memory now, and full's measured need.
+            room = (self.usable_gb(reclaim=False), full_need)
             if kept is not None and (not kept.placed or self._serves(kept, at, pin)):
                 record.load_source = "ram"
                 if not kept.placed:  # read ahead, never placed: any rung's first placement
-                    return place_read(kept, at, self.info, self.settings, self.faults, pin, room)
+                    return place_read(kept, at, self.info, self.settings, self.faults, pin, *room)
                 return place_again(kept, self.info, self.faults)
             if kept is not None:  # kept at another rung or compile state: not this job's
                 self.cache.release(kept)
             record.load_source = "disk"
-            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin, room)
+            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin, *room)
 
         with watch.phase("load"):
             if resident is not None:
@@ -269,6 +273,7 @@ class Renderer(Placement):
     def _reload(
         self,
         manifest: Manifest,
+        choice: RungChoice,
         rung: Rung,
         pin: bool | None,
         ladder: Ladder,
@@ -278,7 +283,8 @@ class Renderer(Placement):
         """After a second OOM while generating: the model again, one rung lower."""
         with watch.phase("load"):
             self.cache.evict(manifest.id, to_ram=False)
-        return self._ensure_loaded(manifest, rung, pin, ladder, watch, record)
+        lower = dataclasses.replace(choice, rung=rung)
+        return self._ensure_loaded(manifest, lower, pin, ladder, watch, record)
 
     def _attempt(
         self,
