@@ -49,7 +49,7 @@ def image_of(conn: Redis, settings: Any, job_id: str) -> Any:
 def test_the_next_jobs_model_is_read_into_ram_while_a_job_renders(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(max_resident=1, ram_cache_gb=1.0)
+    settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0)
     renderer, got = queued_then_worked(redis_conn, settings, [A, B])
     assert [(r.model, r.status) for r in got] == [(B, "done"), (A, "done")]
     # A was never loaded in this process: from RAM means it was read ahead, during B.
@@ -65,7 +65,11 @@ def test_the_next_jobs_model_is_read_into_ram_while_a_job_renders(
     redis_conn.flushdb()
     out = settings.output_dir / "plain"
     plain = make_settings(
-        max_resident=1, ram_cache_gb=0, output_dir=out, timings_log=out / "timings.jsonl"
+        prefetch="on",
+        max_resident=1,
+        ram_cache_gb=0,
+        output_dir=out,
+        timings_log=out / "timings.jsonl",
     )
     _, again = queued_then_worked(redis_conn, plain, [A, B])
     assert [(r.model, r.load_source) for r in again] == [(B, "disk"), (A, "disk")]
@@ -77,7 +81,9 @@ def test_a_model_read_ahead_takes_the_rung_its_job_is_given(
 ) -> None:
     """A read ahead is never placed: its first job's rung decides its offload hooks and VAE
     tiling, as a load from disk would."""
-    settings = make_settings(max_resident=1, ram_cache_gb=1.0, memory_mode="group_offload")
+    settings = make_settings(
+        prefetch="on", max_resident=1, ram_cache_gb=1.0, memory_mode="group_offload"
+    )
     _, got = queued_then_worked(redis_conn, settings, [B, A])
     assert [(r.model, r.status, r.load_source, r.rung) for r in got] == [
         (B, "done", "disk", "group_offload"),
@@ -89,7 +95,7 @@ def test_a_model_read_ahead_takes_the_rung_its_job_is_given(
 def test_nothing_is_read_ahead_for_a_model_already_resident(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(max_resident=0, ram_cache_gb=1.0)
+    settings = make_settings(prefetch="on", max_resident=0, ram_cache_gb=1.0)
     renderer, got = queued_then_worked(redis_conn, settings, [A, B, A, B])
     # A was read ahead once, during the first B; after that both stay on the device.
     assert [r.load_source for r in got] == ["disk", "ram", "resident", "resident"]
@@ -99,7 +105,7 @@ def test_nothing_is_read_ahead_for_a_model_already_resident(
 def test_a_read_that_would_not_fit_the_ram_cache_is_not_started(
     redis_conn: Redis, make_settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = make_settings(max_resident=1, ram_cache_gb=0.000_01)  # 10 kB
+    settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=0.000_01)  # 10 kB
     caplog.set_level(logging.INFO, logger="worker.prefetch")
     renderer, got = queued_then_worked(redis_conn, settings, [A, B])
     assert [r.load_source for r in got] == ["disk", "disk"]
@@ -120,7 +126,7 @@ def test_a_failed_read_ahead_costs_a_log_line_and_the_job_fails_with_its_own_err
     weights = next((models / A / "unet").glob("*.safetensors"))
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    settings = make_settings(max_resident=1, ram_cache_gb=1.0, models_dir=models)
+    settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0, models_dir=models)
     caplog.set_level(logging.WARNING, logger="worker.prefetch")
     renderer, got = queued_then_worked(redis_conn, settings, [B, A, B])
     assert [(r.model, r.status) for r in got] == [(B, "done"), (A, "failed"), (B, "done")]
@@ -128,6 +134,27 @@ def test_a_failed_read_ahead_costs_a_log_line_and_the_job_fails_with_its_own_err
     assert renderer.prefetcher.latest.outcome.startswith("failed: ")
     assert f"prefetch: reading {A} failed (its job will load it itself)" in caplog.text
     assert got[1].load_source == "disk" and got[1].error
+
+
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ("auto", "auto: the device is this host's CPU, where a read takes the render's cores"),
+        ("off", "switched off (KILN_PREFETCH=off)"),
+    ],
+)
+def test_on_this_cpu_auto_and_off_never_read_ahead_nor_ask_the_queues(
+    redis_conn: Redis, make_settings: Any, setting: str, why: str
+) -> None:
+    settings = make_settings(prefetch=setting, max_resident=1, ram_cache_gb=1.0)
+    renderer = make_renderer(settings, [A, B])
+    assert renderer.prefetcher.off == why
+
+    def asked() -> str | None:
+        raise AssertionError("a prefetcher that is off asked its queues")
+
+    renderer.prefetcher.upcoming = asked
+    assert renderer.prefetcher.after_load(A, "job") is None and renderer.prefetcher.started == 0
 
 
 def test_the_lane_order_names_the_next_jobs_model(redis_conn: Redis) -> None:

@@ -10,18 +10,18 @@ The next job takes it from there (load_source `ram`) and places it on whatever r
 chooses (worker.loading.place_read); a job that comes while its model is still being read waits
 for that read instead of reading it a second time.
 
-A read is skipped, with the reason logged, when the RAM cache is off (KILN_RAM_CACHE_GB=0), when
-the weights as loaded would not fit its bound or the host's available memory (estimated from
-the safetensors headers before anything is read), when the model is in no local directory and
-not in the hub cache (a worker pulls at start; a read ahead never downloads), or while another
-read runs. A failed read costs a log line: the job then loads the model itself and fails there
-with the same error, in its own record.
+KILN_PREFETCH=auto reads ahead where the device is not the host's own CPU (see _off); on and
+off force it. A read is skipped, with the reason logged, when the RAM cache is off
+(KILN_RAM_CACHE_GB=0), when the weights as loaded would not fit its bound or the host's
+available memory (estimated from the safetensors headers before anything is read), when the
+model is in no local directory and not in the hub cache (a worker pulls at start; a read ahead
+never downloads), or while another read runs. A failed read costs a log line: the job then
+loads the model itself and fails there with the same error, in its own record.
 
-A read competes with the render it overlaps for the host's cores and disk; on a GPU box the host
-is mostly idle during a denoise, on a CPU-only worker it is not (bench/switches.py measures
-both). On a CPU device the read also grows the process's resident set, which is what a job's
-peak is measured from there, so a CPU job a read overlapped leaves no measurement
-(worker.placement)."""
+A read competes with the render it overlaps for the host's cores, disk and Python's GIL: on a
+GPU box the host mostly waits on the card during a denoise; on a CPU device it never idles. On
+a CPU device the read also grows the process's resident set, which is what a job's peak is
+measured from there, so a CPU job a read overlapped leaves no measurement (worker.placement)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import torch
 
 from api_client.manifest import Manifest
 from worker.device import DeviceInfo
@@ -78,11 +79,14 @@ class Prefetcher:
         self.upcoming: Callable[[], str | None] | None = None
         self.latest: Read | None = None
         self.started = 0  # reads started, ever: a job compares it before and after itself
+        self.off = _off(settings, info)  # why this worker never reads ahead; None: it does
+        if self.off is not None:
+            log.info("prefetch: off: %s", self.off)
 
     def after_load(self, current: str, job_id: str) -> Read | None:
         """Once the job's pipeline is placed: start reading the next job's model, if it needs a
         read (the module docstring's rules). Never raises: a read ahead is a hint."""
-        if self.upcoming is None or self.busy():
+        if self.off is not None or self.upcoming is None or self.busy():
             return None
         try:
             model_id = self.upcoming()
@@ -144,6 +148,8 @@ class Prefetcher:
         return None
 
     def _read(self, read: Read) -> None:
+        # Half the intra-op threads (OpenMP's count is per thread): the render keeps its own.
+        torch.set_num_threads(max(torch.get_num_threads() // 2, 1))
         started = time.perf_counter()
         try:
             loaded = read_pipeline(self.manifests[read.model_id], self.info, self.settings)
@@ -163,6 +169,18 @@ class Prefetcher:
             self.cache.release(loaded)
         log.info("prefetch: read %s in %.2f s, %s", read.model_id, read.seconds, read.outcome)
         read.done.set()
+
+
+def _off(settings: Settings, info: DeviceInfo) -> str | None:
+    """KILN_PREFETCH: on, off, or auto, which reads ahead unless the device is the host's own
+    CPU (a profile's card included: its tensors are on the CPU). There the read takes the cores
+    the render runs on: bench/switches.py measured loads 4x shorter and the queue 28-32 %
+    longer, six tiny models in turn on 2 cores."""
+    if settings.prefetch == "off":
+        return "switched off (KILN_PREFETCH=off)"
+    if settings.prefetch == "auto" and info.torch_device == "cpu":
+        return "auto: the device is this host's CPU, where a read takes the render's cores"
+    return None
 
 
 def _note(loaded: LoadedPipeline, read: Read) -> None:

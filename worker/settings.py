@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     max_resident: int = Field(
         0, ge=0, description="At most this many pipelines on the device; 0 = no limit but memory"
     )
+    prefetch: Switch = Field(
+        "auto",
+        description="Read the next queued job's model into the RAM cache while a job renders;"
+        " auto: where the device is not the host's CPU (there the read slows the render)",
+    )
     device_profile: str | None = Field(
         None,
         description="Decide as this card would (t4, l4, a100, h100, h200, mi300, mps; NAME:FREE_GIB"
