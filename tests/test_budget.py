@@ -1,6 +1,9 @@
 """The Redis budget of a job, counted by Redis itself (INFO commandstats) with a real worker and
 client: at most 30 commands a job in fixed cost (submit, start, end, the client's wait), plus at
-most 3 a second while it renders (heartbeats, progress events and the client reading them)."""
+most 3 a second while it renders (heartbeats, progress events and the client reading them),
+beside the worker's own sweep for lapsed leases, which runs whether it renders or not: one
+script every 5 s reading two registries per lane it listens to (1 a second for one model's two
+lanes; the priority lanes doubled it, and a 10 s window read 3.15-3.19 a second in all)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from api_client import keys
 from tests.helpers import burst, client_for, make_renderer
 from tests.workers import pace_here
+from worker.queue import KilnWorker
 
 REQUEST = {"model": "tiny-sd15", "prompt": "budget", "steps": 2}
 
@@ -45,14 +50,21 @@ def test_a_job_costs_at_most_30_commands_and_3_a_second_while_rendering(
 
     one = counted(redis_conn, lambda: jobs(1, 2))
     fixed = (counted(redis_conn, lambda: jobs(11, 2)) - one) / 10
-    # One job in flight, about 6 s long (20 steps paced to 0.3 s): heartbeats, progress, the
-    # client reading it, against one 2-step job.
-    pace_here(monkeypatch, 0.3)
+    # One job in flight, about 10 s long (40 steps paced to 0.25 s): heartbeats, progress, the
+    # client reading it, against one 2-step job. Long enough that where the worker's 5 s sweep
+    # falls (two commands, once or twice in the window) moves the rate by 0.2 a second at most:
+    # a 6 s window read 2.3-3.2 a second on the same code.
+    pace_here(monkeypatch, 0.25)
     short: list[float] = []
     one_live = counted(redis_conn, lambda: short.append(jobs(1, 2, live=True)))
     seconds: list[float] = []
-    long = counted(redis_conn, lambda: seconds.append(jobs(1, 20, live=True)))
+    long = counted(redis_conn, lambda: seconds.append(jobs(1, 40, live=True)))
     per_second = (long - one_live) / (seconds[0] - short[0])
-    print(f"\n{fixed:.1f} commands a job in fixed cost; {per_second:.2f} a second while rendering")
+    queues = len(keys.LANES)  # the worker of one model listens to its two lanes
+    sweep = (1 + 2 * queues) / KilnWorker.sweep_interval_s  # execution.ANY_DUE, one EVALSHA
+    print(
+        f"\n{fixed:.1f} commands a job in fixed cost; {per_second:.2f} a second while rendering,"
+        f" {sweep:.2f} of them the sweep's"
+    )
     assert fixed <= 30, fixed
-    assert per_second <= 3, (long, one_live, seconds, short)
+    assert per_second <= 3 + sweep, (long, one_live, seconds, short)

@@ -70,4 +70,3 @@ def test_a_cancel_during_a_phase_is_taken_at_the_next_boundary(
     # A stopped job leaves no files behind, whatever phase it stopped after.
     job_dir = settings.output_dir / job.id
     assert not job_dir.exists() or not [p for p in job_dir.iterdir() if p.is_file()]
-

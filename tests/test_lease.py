@@ -1,6 +1,8 @@
 """A job's lease (its entry in the started registry, pushed every beat), with real `kiln worker`
 processes on real Redis: a worker stalled past its lease stops that render and writes nothing
-over the worker that took the job over; a Redis outage longer than a lease re-queues nothing."""
+over the worker that took the job over; a Redis outage longer than a lease re-queues nothing.
+The workers hold LEASE_S leases, half of KilnWorker's 10 s, so the drills' stall and outage are
+halved too (tests/fixtures/paced_worker.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from tests.workers import (
     wait_until,
 )
 
+LEASE_S = 5
+
 
 @pytest.fixture
 def slow_dir(tmp_path: Path) -> Path:
@@ -42,13 +46,15 @@ def step_of(job: KilnJob) -> int:
 def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
     redis_conn: Redis, kiln_env: dict[str, str], slow_dir: Path, settings: Any, tmp_path: Path
 ) -> None:
-    """The issue's drill: SIGSTOP the rendering worker for 20 s (its lease is 10 s) while a
-    second worker runs. The job is rendered to completion once, by the second worker; when the
-    first wakes it stops that render, writes nothing, and says why in its record."""
+    """The issue's drill at half its times: SIGSTOP the rendering worker for twice its lease
+    while a second worker runs. The job is rendered to completion once, by the second worker;
+    when the first wakes it stops that render, writes nothing, and says why in its record."""
     env = {**kiln_env, "KILN_MANIFESTS": str(slow_dir)}
     client = KilnClient(connection=redis_conn, manifests_dir=slow_dir)
     workers = [
-        WorkerProcess(env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.3))
+        WorkerProcess(
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.3, LEASE_S)
+        )
         for i in range(2)
     ]
     try:
@@ -61,7 +67,7 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
         first.signal(signal.SIGSTOP)
         try:
             wait_until(lambda: worker_of(redis_conn, job) == second.name, 40, "a takeover")
-            time.sleep(max(0.0, 20.0 - 10.0))  # the drill's stall: 20 s in all (not a sync)
+            time.sleep(LEASE_S)  # the drill's stall: twice the lease in all (not a sync)
         finally:
             first.signal(signal.SIGCONT)
         done = job.wait(timeout=120)
@@ -102,8 +108,8 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
 def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
     kiln_env: dict[str, str], slow_dir: Path, settings: Any, tmp_path: Path
 ) -> None:
-    """Redis away for 15 s (a lease is 10 s) while two workers each render a job: when it comes
-    back no job is re-queued; each finishes once, on the worker that had it."""
+    """Redis away for 1.5 leases while two workers each render a job: when it comes back no
+    job is re-queued; each finishes once, on the worker that had it."""
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always")
     server.start()
@@ -111,7 +117,9 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
     conn = Redis.from_url(url)
     env = {**kiln_env, "KILN_MANIFESTS": str(slow_dir), "KILN_REDIS_URL": url}
     workers = [
-        WorkerProcess(env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.4))
+        WorkerProcess(
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.4, LEASE_S)
+        )
         for i in range(2)
     ]
     try:
@@ -126,7 +134,7 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
         owners = {j.id: worker_of(conn, j) for j in jobs}
         assert set(owners.values()) == {p.name for p in workers}
         server.kill()
-        time.sleep(15)  # the outage under test
+        time.sleep(LEASE_S * 1.5)  # the outage under test
         server.start()
         conn = Redis.from_url(url)
         for job in jobs:

@@ -16,6 +16,9 @@ from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait
 from worker import quarantine
 from worker.job import poison_reason
 
+# 1 s a step; a 5 s lease (heartbeat and sweep every 1.25 s): each death is found in seconds.
+PACED = paced(1.0, lease_s=5)
+
 
 def test_the_cause_names_each_death() -> None:
     same = [{"worker": "A", "phase": "denoise"}, {"worker": "B", "phase": "denoise"}]
@@ -33,7 +36,7 @@ def test_a_job_that_killed_two_workers_is_quarantined_not_run_a_third_time(
     workers = {
         w.name: w
         for w in (
-            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, fake=paced(1.0))
+            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, fake=PACED)
             for i in range(3)
         )
     }

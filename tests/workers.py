@@ -34,9 +34,13 @@ class Fake:
 DIES_AFTER_SAVE = Fake("tests.fixtures.dies_after_save_worker")
 
 
-def paced(seconds: float) -> Fake:
-    """A worker whose denoise steps each sleep this long (tests/fixtures/pacing.py)."""
-    return Fake("tests.fixtures.paced_worker", {"KILN_TEST_PACE_S": str(seconds)})
+def paced(seconds: float, lease_s: int | None = None) -> Fake:
+    """A worker whose denoise steps each sleep this long (tests/fixtures/pacing.py); lease_s:
+    its lease, in place of KilnWorker's 10 s (tests/fixtures/paced_worker.py)."""
+    env = {"KILN_TEST_PACE_S": str(seconds)}
+    if lease_s is not None:
+        env["KILN_TEST_LEASE_S"] = str(lease_s)
+    return Fake("tests.fixtures.paced_worker", env)
 
 
 def pace_here(monkeypatch: Any, seconds: float) -> None:
