@@ -49,3 +49,8 @@ def test_doctor_shows_configured_switches(kiln_env: dict[str, str]) -> None:
     done = kiln("doctor", env={**kiln_env, "KILN_VAE_TILING": "on"})
     assert done.returncode == 0, done.stderr
     assert "vae_tiling=on" in done.stdout and "kiln doctor --model ID" in done.stdout
+    # The warm-switch settings, and why this CPU reads nothing ahead (KILN_PREFETCH=auto).
+    assert (
+        "model cache   RAM 8 GB, on the device no limit but memory; read ahead off (auto: the"
+        " device is this host's CPU, where a read takes the render's cores)" in done.stdout
+    )

@@ -25,6 +25,7 @@ from worker.ladder import GB, Ladder, pick_rung, rung_need_gb, usable_gb
 from worker.loading import fit_for, load_pipeline
 from worker.peaks import WRONG_BY, Comparison, PeakBook, card_kind, comparisons
 from worker.plan import ModelPlan, plan_model
+from worker.prefetch import off_reason
 from worker.quantize import torchao_version, try_scheme, unsupported_reason
 from worker.resident import LoadedPipeline, PipelineCache, release_memory
 from worker.settings import SWITCH_NAMES, Settings
@@ -212,6 +213,7 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  redis         {report.redis}",
         f"  store         {_store_line(settings)}",
         "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
+        f"  model cache   {_cache_line(settings, info)}",
     ]
     if info.simulated is not None:
         lines[1:1] = _profile_lines(info)
@@ -373,6 +375,14 @@ def _redis(url: str) -> tuple[str, bool]:
         return f"reachable at {url} (redis {server}, ping {ping_ms:.1f} ms)", True
     except (RedisError, OSError) as exc:
         return f"UNREACHABLE at {url}: {exc}", False
+
+
+def _cache_line(settings: Settings, info: DeviceInfo) -> str:
+    """The warm-switch settings, and whether this worker would read the next job's model ahead."""
+    resident = settings.max_resident or "no limit but memory"
+    off = off_reason(settings, info)
+    ahead = "read ahead on" if off is None else f"read ahead off ({off})"
+    return f"RAM {settings.ram_cache_gb:g} GB, on the device {resident}; {ahead}"
 
 
 def _store_line(settings: Settings) -> str:

@@ -10,7 +10,7 @@ The next job takes it from there (load_source `ram`) and places it on whatever r
 chooses (worker.loading.place_read); a job that comes while its model is still being read waits
 for that read instead of reading it a second time.
 
-KILN_PREFETCH=auto reads ahead where the device is not the host's own CPU (see _off); on and
+KILN_PREFETCH=auto reads ahead where the device is not the host's own CPU (off_reason); on and
 off force it. A read is skipped, with the reason logged, when the RAM cache is off
 (KILN_RAM_CACHE_GB=0), when the weights as loaded would not fit its bound or the host's
 available memory (estimated from the safetensors headers before anything is read), when the
@@ -79,7 +79,7 @@ class Prefetcher:
         self.upcoming: Callable[[], str | None] | None = None
         self.latest: Read | None = None
         self.started = 0  # reads started, ever: a job compares it before and after itself
-        self.off = _off(settings, info)  # why this worker never reads ahead; None: it does
+        self.off = off_reason(settings, info)  # why this worker never reads ahead; None: it does
         if self.off is not None:
             log.info("prefetch: off: %s", self.off)
 
@@ -171,7 +171,7 @@ class Prefetcher:
         read.done.set()
 
 
-def _off(settings: Settings, info: DeviceInfo) -> str | None:
+def off_reason(settings: Settings, info: DeviceInfo) -> str | None:
     """KILN_PREFETCH: on, off, or auto, which reads ahead unless the device is the host's own
     CPU (a profile's card included: its tensors are on the CPU). There the read takes the cores
     the render runs on: bench/switches.py measured loads 4x shorter and the queue 28-32 %
