@@ -114,26 +114,48 @@ def test_a_read_that_would_not_fit_the_ram_cache_is_not_started(
     assert "over the RAM cache's 0.00 GB (KILN_RAM_CACHE_GB)" in caplog.text
 
 
-def test_a_failed_read_ahead_costs_a_log_line_and_the_job_fails_with_its_own_error(
-    redis_conn: Redis, make_settings: Any, tiny_dir: Path, tmp_path: Path, caplog: Any
-) -> None:
-    """Truncated UNet weights (header intact): the read fails in its thread, the worker goes
-    on, and A's job reads the model itself and fails, with the error in its own record."""
+def broken_copy(tiny_dir: Path, tmp_path: Path, damage: str) -> Path:
+    """A models directory whose A has damaged UNet weights: "truncated" keeps the safetensors
+    header and loses half the data; "header" overwrites the header's length."""
     models = tmp_path / "models"
     models.mkdir()
     (models / B).symlink_to(tiny_dir / B)
     shutil.copytree(tiny_dir / A, models / A)
     weights = next((models / A / "unet").glob("*.safetensors"))
     data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])
+    broken = data[: len(data) // 2] if damage == "truncated" else b"\xff" * 8 + data[8:]
+    weights.write_bytes(broken)
+    return models
+
+
+@pytest.mark.parametrize(
+    ("damage", "logged"),
+    [
+        ("truncated", f"prefetch: reading {A} failed (its job will load it itself)"),
+        ("header", f"prefetch: not reading {A} ahead: cannot size its weights"),
+    ],
+)
+def test_weights_a_read_ahead_cannot_take_cost_a_log_line_and_fail_only_their_job(
+    redis_conn: Redis,
+    make_settings: Any,
+    tiny_dir: Path,
+    tmp_path: Path,
+    caplog: Any,
+    damage: str,
+    logged: str,
+) -> None:
+    """Truncated: the read fails in its thread. A broken header: the estimate cannot size it,
+    so no read starts. Either way the worker goes on, and A's job reads the model itself and
+    fails, with the error in its own record."""
+    models = broken_copy(tiny_dir, tmp_path, damage)
     settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0, models_dir=models)
-    caplog.set_level(logging.WARNING, logger="worker.prefetch")
+    caplog.set_level(logging.INFO, logger="worker.prefetch")
     renderer, got = queued_then_worked(redis_conn, settings, [B, A, B])
     assert [(r.model, r.status) for r in got] == [(B, "done"), (A, "failed"), (B, "done")]
-    assert renderer.prefetcher.latest is not None
-    assert renderer.prefetcher.latest.outcome.startswith("failed: ")
-    assert f"prefetch: reading {A} failed (its job will load it itself)" in caplog.text
+    assert logged in caplog.text
     assert got[1].load_source == "disk" and got[1].error
+    read = renderer.prefetcher.latest
+    assert read.outcome.startswith("failed: ") if damage == "truncated" else read is None, read
 
 
 @pytest.mark.parametrize(

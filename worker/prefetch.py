@@ -55,7 +55,6 @@ class Read:
 
     model_id: str
     beside_job: str
-    thread: threading.Thread | None = None
     seconds: float = 0.0
     outcome: str = "reading"  # reading | kept | failed: ... | not kept: ...
     done: threading.Event = field(default_factory=threading.Event)
@@ -97,17 +96,18 @@ class Prefetcher:
             return None
         if model_id in self.cache.model_ids() or model_id in self.cache.ram.model_ids():
             return None
-        why_not = self._why_not(self.manifests[model_id])
+        try:
+            why_not = self._why_not(self.manifests[model_id])
+        except Exception as exc:  # weights it cannot size (a bad header): its job will say
+            why_not = f"cannot size its weights: {type(exc).__name__}: {exc}"
         if why_not is not None:
             log.info("prefetch: not reading %s ahead: %s", model_id, why_not)
             return None
         read = Read(model_id, beside_job=job_id)
-        read.thread = threading.Thread(
-            target=self._read, args=(read,), name=f"kiln-prefetch-{model_id}", daemon=True
-        )
         self.latest = read
         self.started += 1
-        read.thread.start()
+        name = f"kiln-prefetch-{model_id}"
+        threading.Thread(target=self._read, args=(read,), name=name, daemon=True).start()
         log.info("prefetch: reading %s ahead beside job %s", model_id, job_id)
         return read
 
@@ -122,15 +122,15 @@ class Prefetcher:
         """No read ran at any moment since mark."""
         return mark == self.started and not self.busy()
 
-    def wait_for(self, model_id: str) -> float:
-        """Before a load of model_id: the seconds spent waiting for its read, if one is in
-        flight (the pipeline is then in the RAM cache, unless the read failed)."""
+    def wait_for(self, model_id: str) -> None:
+        """Before a load of model_id: wait for its read, if one is in flight (the pipeline is
+        then in the RAM cache, unless the read failed); the wait counts in the load phase."""
         read = self.latest
         if read is None or read.model_id != model_id or read.done.is_set():
-            return 0.0
+            return
         started = time.perf_counter()
         read.done.wait()
-        return time.perf_counter() - started
+        log.info("prefetch: waited %.2f s for %s's read", time.perf_counter() - started, model_id)
 
     def _why_not(self, manifest: Manifest) -> str | None:
         bound = self.cache.ram.bound_bytes
@@ -148,27 +148,28 @@ class Prefetcher:
         return None
 
     def _read(self, read: Read) -> None:
+        """The thread: read, then keep in the RAM cache; done is set whatever happens, since a
+        job of this model waits for it."""
         # Half the intra-op threads (OpenMP's count is per thread): the render keeps its own.
         torch.set_num_threads(max(torch.get_num_threads() // 2, 1))
         started = time.perf_counter()
         try:
             loaded = read_pipeline(self.manifests[read.model_id], self.info, self.settings)
+            read.seconds = time.perf_counter() - started
+            _note(loaded, read)
+            size = host_bytes(loaded.pipe)
+            kept = self.cache.ram.keep(loaded, size)
+            read.outcome = "kept" if kept else f"not kept: {size} bytes over the cache's bound"
+            if not kept:
+                self.cache.release(loaded)
+            log.info("prefetch: read %s in %.2f s, %s", read.model_id, read.seconds, read.outcome)
         except Exception as exc:
             read.outcome = f"failed: {type(exc).__name__}: {exc}"
             log.warning(
                 "prefetch: reading %s failed (its job will load it itself): %s", read.model_id, exc
             )
+        finally:
             read.done.set()
-            return
-        read.seconds = time.perf_counter() - started
-        _note(loaded, read)
-        size = host_bytes(loaded.pipe)
-        kept = self.cache.ram.keep(loaded, size)
-        read.outcome = "kept" if kept else f"not kept: {size} bytes over the RAM cache's bound"
-        if not kept:
-            self.cache.release(loaded)
-        log.info("prefetch: read %s in %.2f s, %s", read.model_id, read.seconds, read.outcome)
-        read.done.set()
 
 
 def off_reason(settings: Settings, info: DeviceInfo) -> str | None:
