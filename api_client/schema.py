@@ -296,6 +296,8 @@ class WorkerState(BaseModel):
     free_bytes: int | None = None  # device memory free, as measured (CPU: host memory)
     # Why it takes no jobs now: no served model's measured need fits the memory it has.
     blocked: str | None = None
+    ram: list[str] = Field(default_factory=list)  # models in its RAM cache, off the device
+    reading: str | None = None  # the model it reads ahead into that cache now (KILN_PREFETCH)
 
 
 class TimingFit(BaseModel):

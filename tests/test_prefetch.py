@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 from redis import Redis
+from rich.console import Console
 from rq import Queue
 
 from api_client import keys
+from api_client.schema import WorkerState
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.test_modes import pixels
 from worker.device import probe
@@ -25,6 +27,7 @@ from worker.loading import load_pipeline
 from worker.manifest import load_manifests
 from worker.prefetch import read_estimate
 from worker.resident import host_bytes
+from worker.top import render, snapshot
 
 A, B = "tiny-sd15", "tiny-flux"
 JOB = {"prompt": "a fox", "steps": 2, "seed": 1}
@@ -177,6 +180,31 @@ def test_on_this_cpu_auto_and_off_never_read_ahead_nor_ask_the_queues(
 
     renderer.prefetcher.upcoming = asked
     assert renderer.prefetcher.after_load(A, "job") is None and renderer.prefetcher.started == 0
+
+
+def test_the_workers_state_and_kiln_top_show_its_ram_cache_and_read_ahead(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    """What a worker publishes names the models in its RAM cache and the one it reads ahead;
+    `kiln top` shows them beside the resident ones."""
+    settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0)
+    renderer = make_renderer(settings, [B, A])
+    client = client_for(redis_conn, settings)
+    for model in (B, A):
+        client.submit({**JOB, "model": model})
+    worker = burst(redis_conn, renderer, [B, A])  # B's lane first: B, then A
+    worker.publish_state()  # as its Pulse does every 10 s (the burst's end withdrew it)
+    state = WorkerState.model_validate_json(redis_conn.get(keys.worker_key(worker.name)) or b"")
+    assert (state.resident, state.ram, state.reading) == ([A], [B], None)
+
+    redis_conn.set(
+        keys.worker_key(worker.name),
+        state.model_copy(update={"reading": "tiny-sdxl"}).model_dump_json(),
+    )
+    console = Console(record=True, width=200)
+    console.print(render(snapshot(redis_conn)))
+    line = next(row for row in console.export_text().splitlines() if worker.name in row)
+    assert f"{A}@full, {B}@ram, tiny-sdxl@reading" in line, line
 
 
 def test_the_lane_order_names_the_next_jobs_model(redis_conn: Redis) -> None:

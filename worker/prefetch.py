@@ -114,6 +114,11 @@ class Prefetcher:
     def busy(self) -> bool:
         return self.latest is not None and not self.latest.done.is_set()
 
+    def reading(self) -> str | None:
+        """The model being read ahead now, for the worker's published state (`kiln top`)."""
+        read = self.latest
+        return read.model_id if read is not None and not read.done.is_set() else None
+
     def mark(self) -> int:
         """Before a job's work: what quiet() compares against (-1 while a read runs)."""
         return -1 if self.busy() else self.started

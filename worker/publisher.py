@@ -166,6 +166,8 @@ class StatePublisher:
             jobs_done=self.done_jobs,
             free_bytes=dev.free_bytes(self.renderer.info),
             blocked=self.blocked,
+            ram=self.renderer.cache.ram.model_ids(),
+            reading=self.renderer.prefetcher.reading(),
         )
         pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         pipe.zadd(keys.WORKERS_KEY, {self.name: moment})

@@ -1,7 +1,7 @@
 """`kiln top`: a live view of a kiln Redis, like `rq info --interval` but knowing kiln: each
-worker's device, profile, resident models and rungs, running job with its phase and step, jobs
-done and free memory; each model's queue depth and the ETA of a default job submitted now; the
-last jobs that ended, with their phases.
+worker's device, profile, resident models and rungs (and those in its RAM cache or being read
+ahead), running job with its phase and step, jobs done and free memory; each model's queue depth
+and the ETA of a default job submitted now; the last jobs that ended, with their phases.
 
 It reads only what workers publish, a bounded amount per refresh: the live workers' states
 (ZRANGE + MGET, api_client.eta.live_workers), the newest entry of each running job's event stream
@@ -156,6 +156,10 @@ def _workers(frame: Frame, style: box.Box) -> Table:
             f"{model}@{state.rungs[model]}" if model in state.rungs else model
             for model in state.resident
         )
+        # Off the device: its RAM cache, and the model it reads ahead into it (KILN_PREFETCH).
+        held = [f"{model}@ram" for model in state.ram]
+        held += [f"{state.reading}@reading"] if state.reading else []
+        resident = ", ".join([resident, *held] if resident else held)
         table.add_row(
             state.name,
             device,
