@@ -79,6 +79,8 @@ class Prefetcher:
         self.latest: Read | None = None
         self.started = 0  # reads started, ever: a job compares it before and after itself
         self.off = off_reason(settings, info)  # why this worker never reads ahead; None: it does
+        self._estimates: dict[str, int | None] = {}  # read_estimate per model, once
+        self._told: set[str] = set()  # reasons not to read already logged, each said once
         if self.off is not None:
             log.info("prefetch: off: %s", self.off)
 
@@ -101,7 +103,9 @@ class Prefetcher:
         except Exception as exc:  # weights it cannot size (a bad header): its job will say
             why_not = f"cannot size its weights: {type(exc).__name__}: {exc}"
         if why_not is not None:
-            log.info("prefetch: not reading %s ahead: %s", model_id, why_not)
+            if f"{model_id}: {why_not}" not in self._told:
+                self._told.add(f"{model_id}: {why_not}")
+                log.info("prefetch: not reading %s ahead: %s", model_id, why_not)
             return None
         read = Read(model_id, beside_job=job_id)
         self.latest = read
@@ -141,7 +145,9 @@ class Prefetcher:
         bound = self.cache.ram.bound_bytes
         if bound <= 0:
             return "the RAM cache is off (KILN_RAM_CACHE_GB=0)"
-        estimate = read_estimate(manifest, self.info, self.settings)
+        if manifest.id not in self._estimates:  # headers read once, not before every job
+            self._estimates[manifest.id] = read_estimate(manifest, self.info, self.settings)
+        estimate = self._estimates[manifest.id]
         if estimate is None:
             return "its weights are in no local directory and not in the hub cache (kiln pull)"
         takes = f"its weights take about {estimate / 1e9:.2f} GB on the host"
