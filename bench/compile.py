@@ -74,19 +74,17 @@ def one_process(model: str, method: str, steps: int, warm_jobs: int) -> dict[str
     """Run in the fresh process: the sizes in the manifest's order, then warm jobs at the first."""
     import logging
 
+    from bench.harness import tiny_settings
     from worker import compile as kiln_compile
     from worker.context import LocalContext
     from worker.manifest import load_manifests
     from worker.render import Renderer
-    from worker.settings import Settings
     from worker.timings import TimingRecord
 
     logging.disable(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="kiln-compile-out-"))
-    settings = Settings(
-        models_dir=ROOT / "models",
-        output_dir=work,
-        timings_log=work / "timings.jsonl",
+    settings = tiny_settings(
+        work,
         memory_mode="full",
         compile="off" if method == "eager" else "on",
     )

@@ -10,9 +10,27 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = ROOT / "models"
+
+
+def tiny_settings(work: Path, **overrides: Any) -> Settings:
+    """Settings of an in-process Renderer on the tiny models, its outputs under work (the
+    in-process twin of kiln_env)."""
+    from worker.settings import Settings
+
+    return Settings(
+        models_dir=MODELS_DIR,
+        manifests=ROOT / "manifests",
+        output_dir=work,
+        timings_log=work / "timings.jsonl",
+        **overrides,
+    )
 
 
 def kiln_env(url: str, work: Path) -> dict[str, str]:

@@ -73,21 +73,18 @@ def half_budget(model: str) -> float:
 
 
 def run(model: str, rung: str, jobs: int, steps: int, size: int) -> dict[str, Any]:
+    from bench.harness import tiny_settings
     from worker.context import LocalContext
     from worker.manifest import load_manifests
     from worker.render import Renderer
-    from worker.settings import Settings
     from worker.timings import TimingRecord
 
     seen: list[TimingRecord] = []
     budget = half_budget(model) if rung == "partial" else None
     with tempfile.TemporaryDirectory() as out:
-        settings = Settings(
-            models_dir=ROOT / "models",
-            manifests=ROOT / "manifests",
-            output_dir=Path(out),
-            timings_log=Path(out) / "timings.jsonl",
-            memory_mode=rung,  # type: ignore[arg-type]
+        settings = tiny_settings(
+            Path(out),
+            memory_mode=rung,
             vram_budget_gb=budget,
             vram_reserve_gb=0.0,
         )

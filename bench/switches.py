@@ -77,19 +77,16 @@ def run(
     """The jobs of sequence in order on one renderer; read_ahead: its prefetcher is told the
     next job's model, as a queue worker's lanes tell it."""
     from api_client.schema import RenderRequest
+    from bench.harness import tiny_settings
     from worker.context import LocalContext
     from worker.manifest import load_manifests
     from worker.render import Renderer
-    from worker.settings import Settings
     from worker.timings import TimingRecord
 
     seen: list[TimingRecord] = []
     with tempfile.TemporaryDirectory() as out:
-        settings = Settings(
-            models_dir=ROOT / "models",
-            manifests=ROOT / "manifests",
-            output_dir=Path(out),
-            timings_log=Path(out) / "timings.jsonl",
+        settings = tiny_settings(
+            Path(out),
             max_resident=1,
             ram_cache_gb=ram_gb,
             prefetch="on" if read_ahead else "off",  # auto would not read ahead on a CPU
