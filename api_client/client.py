@@ -10,7 +10,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,10 +19,11 @@ from api_client import events, inputs, keys
 from api_client.connection import connect
 from api_client.enqueue import ENQUEUE, QUEUED_TTL_S, RESULT_TTL_S, enqueue_new
 from api_client.errors import Problem, RequestRejected
-from api_client.eta import live_workers, taken_first
+from api_client.eta import fit_key, live_workers, read_fits, taken_first
 from api_client.fetch import fetch_image
 from api_client.job import KilnJob
-from api_client.manifest import Manifest, check_servable, load_manifest_dir, resolve_request
+from api_client.manifest import Manifest, load_manifest_dir, manifest_dirs
+from api_client.resolve import check_servable, resolve_request
 from api_client.schema import (
     RENDER_FUNC,
     ImageFile,
@@ -42,6 +43,7 @@ JOB_TIMEOUT_S = 600
 # Workers never retry a job that failed by itself: a render that failed would fail again.
 ABANDONED_RETRIES = 3
 MANIFESTS_TTL_S = 5.0
+RECENT_SCAN = 500  # newest entries of each queue's event stream read by recent_jobs
 MAX_JOB_ID_CHARS = 200  # a job id names a directory and is echoed in errors and records
 JOB_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_JOB_ID_CHARS}}}")
 
@@ -84,7 +86,7 @@ class KilnClient:
         url: str = DEFAULT_REDIS_URL,
         *,
         connection: Redis | None = None,
-        manifests_dir: str | Path | None = None,
+        manifests_dir: str | Path | Iterable[Path] | None = None,
         events_retention_s: float = events.EVENTS_RETENTION_S,
         input_max_mb: float = inputs.DEFAULT_MAX_MB,
         input_ttl_s: int = inputs.DEFAULT_TTL_S,
@@ -96,10 +98,11 @@ class KilnClient:
         if not events_retention_s >= 60:
             raise ValueError(f"events_retention_s must be at least 60 s, got {events_retention_s}")
         self.connection = connection if connection is not None else connect(url)
-        self.manifests_dir = Path(manifests_dir) if manifests_dir is not None else Path("manifests")
+        self.manifests_dir = manifest_dirs(manifests_dir)  # the shipped ones, then these
         self.events_retention_s = events_retention_s
         self.input_max_mb, self.input_ttl_s = input_max_mb, input_ttl_s
         self._published: tuple[float, dict[str, Manifest]] | None = None
+        self._local: dict[str, Manifest] | None = None
         self._enqueue = self.connection.register_script(ENQUEUE)
 
     @classmethod
@@ -114,25 +117,27 @@ class KilnClient:
             ) from None
         return cls(
             os.environ.get("KILN_REDIS_URL", DEFAULT_REDIS_URL),
-            manifests_dir=os.environ.get("KILN_MANIFESTS", "manifests"),
+            manifests_dir=os.environ.get("KILN_MANIFESTS"),
             events_retention_s=seconds,
         )
 
     def manifests(self) -> dict[str, Manifest]:
-        """Manifests workers published to Redis (read again after MANIFESTS_TTL_S: they change
-        when a worker starts, not between two submits); the local directory when none are."""
+        """Every model a request may name: the manifests workers published to Redis (read again
+        after MANIFESTS_TTL_S: they change when a worker starts, not between two submits) over
+        the shipped and KILN_MANIFESTS ones (read once). A model with a manifest but no worker
+        is still a model: its jobs wait for a worker (`kiln models` says it is not served)."""
         if self._published is not None and time.monotonic() - self._published[0] < MANIFESTS_TTL_S:
             return self._published[1]
+        if self._local is None:
+            self._local, _failures = load_manifest_dir(self.manifests_dir)
         published = self.connection.hgetall(keys.MANIFESTS_KEY)
-        if published:
-            parsed = {
-                _text(model_id): Manifest.model_validate_json(raw)
-                for model_id, raw in published.items()
-            }
-            self._published = (time.monotonic(), parsed)
-            return parsed
-        manifests, _failures = load_manifest_dir(self.manifests_dir)
-        return manifests
+        parsed = {
+            _text(model_id): Manifest.model_validate_json(raw)
+            for model_id, raw in published.items()
+        }
+        merged = {**self._local, **parsed}
+        self._published = (time.monotonic(), merged)
+        return merged
 
     def validate(self, request: RenderRequest | dict[str, Any]) -> RenderRequest:
         """The request with defaults filled in, or RequestRejected naming every broken rule."""
@@ -173,10 +178,17 @@ class KilnClient:
         big, the job's size (kiln never resizes an input), the mask the image's size."""
         problems: list[Problem] = []
         sizes: dict[str, inputs.InputImage] = {}
+        stores: list[str] | None = None
         for name in ("image", "mask"):
             value = getattr(request, name)
             if value is None:
                 continue
+            if value.startswith(("s3://", "file://")):
+                stores = self.stores() if stores is None else stores
+                problem = inputs.check_store_uri(value, name, stores)
+                if problem is not None:
+                    problems.append(problem)
+                    continue
             problem = inputs.check_image(
                 value, name, conn=self.connection, max_mb=self.input_max_mb
             )
@@ -200,6 +212,11 @@ class KilnClient:
     @property
     def _max_bytes(self) -> int:
         return int(self.input_max_mb * inputs.MB)
+
+    def stores(self) -> list[str]:
+        """Where workers keep results (each one's KILN_OUTPUT_URL, as it published it): an input
+        uri must lie in one of them."""
+        return sorted(_text(s) for s in self.connection.smembers(keys.STORES_KEY))
 
     def webhook_targets(self) -> set[str]:
         """Names of the webhook targets workers published (their URLs and secrets stay there)."""
@@ -312,12 +329,9 @@ class KilnClient:
         jobs queued in each of its lanes."""
         manifests = self.manifests()
         fits: dict[str, dict[tuple[int, int], TimingFit]] = {}
-        for raw_key, raw in self.connection.hgetall(keys.FITS_KEY).items():
-            model_id, _, size = _text(raw_key).rpartition(":")
-            width, _, height = size.partition("x")
-            fits.setdefault(model_id, {})[(int(width), int(height))] = (
-                TimingFit.model_validate_json(raw)
-            )
+        for name, fit in read_fits(self.connection.hgetall(keys.FITS_KEY)).items():
+            model_id, width, height = fit_key(name) or ("", 0, 0)  # read_fits kept named ones
+            fits.setdefault(model_id, {})[(width, height)] = fit
         serving: dict[str, list[str]] = {}
         resident: dict[str, list[str]] = {}
         blocked: dict[str, dict[str, str]] = {}
@@ -346,6 +360,28 @@ class KilnClient:
             )
             for m in ordered
         ]
+
+    def recent_jobs(self, model: str | None = None, limit: int = 20) -> list[JobEvent]:
+        """The newest event of each recent job on one model's queues (every published model's
+        when None), newest first: what each queue's event stream still holds (its retention),
+        read with one bounded XREVRANGE a model."""
+        models = [model] if model else sorted(self.manifests())
+        with self.connection.pipeline(transaction=False) as pipe:
+            for model_id in models:
+                pipe.xrevrange(keys.queue_events_key(model_id), count=RECENT_SCAN)
+            streams = pipe.execute()
+        newest: dict[str, JobEvent] = {}
+        for entries in streams:
+            for entry_id, fields in entries:
+                try:
+                    event = JobEvent.model_validate_json(fields[events.FIELD])
+                except (KeyError, ValueError):
+                    continue  # anyone with write access may have put anything there
+                event.id = _text(entry_id)
+                seen = newest.get(event.job_id)
+                if seen is None or event.at > seen.at:
+                    newest[event.job_id] = event
+        return sorted(newest.values(), key=lambda e: e.at, reverse=True)[:limit]
 
     def workers(self) -> list[WorkerState]:
         """Live workers' published state (those whose heartbeat key has not expired)."""

@@ -12,13 +12,19 @@ imports the failure callbacks their records name), which is the workers' job, un
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
+from pydantic import ValidationError
+
 from api_client import keys
+from api_client.errors import short
 from api_client.schema import TimingFit, WorkerState
 
 if TYPE_CHECKING:
@@ -28,6 +34,9 @@ AHEAD_READ = 200  # queued jobs read per ETA; the rest ahead are counted at thei
 ENDED = ("finished", "failed", "stopped", "canceled")
 FIELDS = ("status", "origin", "data", "started_at")
 MAX_DATA_BYTES = 1 << 20  # a record's data is inflated this far at most (a zlib bomb stops here)
+REPORTED_MAX = 1000  # unreadable fits remembered as logged; past it they are logged again
+log = logging.getLogger(__name__)
+_reported: set[tuple[str, int]] = set()  # (field, hash of value) already logged
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ def job_eta(connection: Redis, job: JobSummary) -> float | None:
         for queue in keys.lane_queues(model):
             pipe.zrangebyscore(keys.RQ_STARTED_PREFIX + queue, live, "+inf", 0, AHEAD_READ)
         raw_fits, position, length, head, other_length, other_head, *executions = pipe.execute()
-    fits = {_text(k): TimingFit.model_validate_json(v) for k, v in raw_fits.items()}
+    fits = read_fits(raw_fits)
     own = _estimate(job, fits)
     if own is None:
         return None
@@ -101,9 +110,59 @@ def job_eta(connection: Redis, job: JobSummary) -> float | None:
     return work / max(_workers_serving(connection, job.origin), 1) + own
 
 
+def read_fits(raw: Mapping[bytes | str, bytes | str]) -> dict[str, TimingFit]:
+    """kiln:fits (HGETALL) as TimingFit by field, "<model>:<w>x<h>". Clients can write that hash:
+    a field that is no such name or whose value is no finite timing fit is skipped, and logged
+    once (naming the key and the field), so no forged fit stops a reader of the others."""
+    fits: dict[str, TimingFit] = {}
+    for raw_field, value in raw.items():
+        name = _text(raw_field)
+        try:
+            if fit_key(name) is None:
+                raise ValueError('the field is not "<model>:<width>x<height>"')
+            fit = TimingFit.model_validate_json(value)
+            if not all(math.isfinite(x) for x in (fit.fixed_s, fit.per_step_s)):
+                raise ValueError("fixed_s and per_step_s must be finite")
+        except ValueError as exc:  # pydantic's ValidationError is one
+            _report_unreadable(name, value, exc)
+            continue
+        fits[name] = fit
+    return fits
+
+
+def fit_key(name: str) -> tuple[str, int, int] | None:
+    """A kiln:fits field's model, width and height; None when it is not "<model>:<w>x<h>"."""
+    model, _, size = name.rpartition(":")
+    width, _, height = size.partition("x")
+    if not (model and width.isdecimal() and height.isdecimal()):
+        return None
+    return model, int(width), int(height)
+
+
+def _report_unreadable(name: str, value: bytes | str, exc: ValueError) -> None:
+    seen = (name, hash(value))
+    if seen in _reported:
+        return
+    if len(_reported) >= REPORTED_MAX:
+        _reported.clear()
+    _reported.add(seen)
+    if isinstance(exc, ValidationError):  # its first error, without the value echoed back
+        first = exc.errors()[0]
+        why = f"{'.'.join(map(str, first['loc'])) or 'value'}: {first['msg']}"
+    else:
+        why = str(exc)
+    log.warning(
+        "%s field %r is not a timing fit, skipped: %s (value %r)",
+        keys.FITS_KEY,
+        short(name, 100),
+        short(why, 200),
+        short(_text(value), 100),
+    )
+
+
 def taken_first(lane: str, ahead: int, other_queued: int) -> int:
     """How many of the other lane's queued jobs the workers take before a job with `ahead` jobs
-    before it in its own lane (keys.BATCH_EVERY, worker/lanes.py): an interactive job lets one
+    before it in its own lane (keys.BATCH_EVERY, worker/queue/lanes.py): an interactive job lets one
     batch job through for every BATCH_EVERY - 1 interactive ones ahead of it; a batch job waits
     for at most BATCH_EVERY - 1 interactive jobs for each batch job up to and including itself."""
     if lane == "batch":
@@ -179,7 +238,7 @@ def _request_of(data: bytes | None) -> dict[str, Any] | None:
         raw = data  # rq stores uncompressed data too, and reads both
     try:
         payload = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included; nested past the stack
         return None
     if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[3], dict)):
         return None
@@ -212,4 +271,4 @@ def live_workers(connection: Redis) -> list[WorkerState]:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

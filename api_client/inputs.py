@@ -15,7 +15,10 @@ Over 300 lines because every form and every refusal is spelled out here once, fo
 Pillow is imported only when an image is checked, so `import api_client` stays light; a backend
 without Pillow still gets the format checked from the file's signature, and the worker decodes
 and checks everything again (never trust the queue).
-"""
+
+Over 400 lines because the three forms' grammar, the image checks (format, size, pixels, the
+mask against its image) and the store bounds are one set of rules that client, gateway and worker
+must read the same way."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import hashlib
 import io
 import posixpath
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -47,6 +51,12 @@ MAX_PIXELS = 4096 * 4096
 # Inline images travel inside the request itself (the RQ job hash, its digest, the queue), so
 # they stay small; anything bigger goes through client.upload().
 DATA_URL_MAX_BYTES = 2 * MB
+# Pillow reads a PNG's chunks one by one in Python: 200,000 tiny ones cost about 3 s per decode
+# (20 s at the 16 MB cap), so they are counted first, from their length fields. An encoder writes
+# its pixels in IDAT chunks of 8 KiB (libpng) to 64 KiB (Pillow): 2,048 at most for 16 MB, and
+# a handful of others. 10,000 leaves room for encoders with 2 KiB IDATs.
+MAX_PNG_CHUNKS = 10_000
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FORMATS = ("PNG", "JPEG", "WEBP")  # Pillow's names; the data: media types are their lower case
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII)
@@ -192,6 +202,12 @@ def decode_image(
     _check_bytes(data, field, max_bytes, cap)
     digest = hashlib.sha256(data).hexdigest()
     value = f"<{len(data)} bytes, sha256 {digest[:12]}>"
+    if data.startswith(_PNG_SIGNATURE) and png_chunks(data) > MAX_PNG_CHUNKS:
+        rule = (
+            f"has more than {MAX_PNG_CHUNKS} PNG chunks (MAX_PNG_CHUNKS): no encoder writes"
+            " that many; save it again"
+        )
+        raise InputRefused(Problem(field, value, rule))
     try:
         with Image.open(io.BytesIO(data)) as image:  # the header only: no pixel decoded yet
             kind, (width, height) = image.format, image.size
@@ -221,6 +237,19 @@ def decode_image(
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     return InputImage(digest, kind, width, height, len(data)), decoded
+
+
+def png_chunks(data: bytes, stop_after: int = MAX_PNG_CHUNKS) -> int:
+    """How many chunks a PNG holds up to IEND, walked by their length fields alone (nothing
+    inflated, no CRC checked); the walk stops one past stop_after, or at the data's end."""
+    offset, count = len(_PNG_SIGNATURE), 0
+    while offset + 8 <= len(data) and count <= stop_after:
+        length, kind = struct.unpack_from(">I4s", data, offset)
+        count += 1
+        if kind == b"IEND":
+            break
+        offset += 12 + length  # length, type, the chunk's data, its CRC
+    return count
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -333,6 +362,23 @@ def within_store(ref: InputRef, store_location: str) -> bool:
         return True
     directory = posixpath.normpath(unquote(directory))
     return posixpath.commonpath([directory, ref.path or ""]) == directory
+
+
+def check_store_uri(value: str, field: str, stores: list[str]) -> Problem | None:
+    """A Problem when an s3:// or file:// input lies outside every store a worker published
+    (file:///etc/passwd is refused here, at submit, not only by the worker)."""
+    try:
+        ref = parse_ref(value, field)
+    except InputRefused as exc:
+        return exc.problem
+    if any(within_store(ref, store) for store in stores):
+        return None
+    where = ", ".join(stores) if stores else "none published yet (no worker has started)"
+    rule = (
+        f"is outside every worker's store ({where}): only files in a store (KILN_OUTPUT_URL)"
+        " may be read"
+    )
+    return Problem(field, _shown(value), rule)
 
 
 def check_image(

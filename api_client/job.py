@@ -14,10 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from api_client import events, keys
 from api_client.cancel import CANCELABLE, cancel_queued
-from api_client.errors import JobTimeout, RenderFailed, UnknownJob
+from api_client.errors import JobTimeout, KilnError, RenderFailed, UnknownJob
 from api_client.eta import job_eta, read_jobs
 from api_client.fetch import fetch_image
-from api_client.schema import JobError, JobEvent, Progress, RenderResult
+from api_client.schema import (
+    JobError,
+    JobEvent,
+    JobSnapshot,
+    Progress,
+    RenderRequest,
+    RenderResult,
+)
 from api_client.webhooks import job_webhook_target, queue_webhook
 
 if TYPE_CHECKING:
@@ -44,6 +51,9 @@ class KilnJob:
         # The stream id of the job's queued event, when this handle made it (submit): the job
         # exists, and wait() reads its events from there.
         self._after = after
+        # Whether submit() put this job on its queue now (False: the same id was already there,
+        # an idempotent resubmit, or a handle made by client.job()).
+        self.created = after is not None
         self._retention_s = events_retention_s  # of the queue stream a cancel writes to
 
     def __repr__(self) -> str:
@@ -141,6 +151,44 @@ class KilnJob:
             paths.append(path)
         return paths
 
+    def snapshot(self, eta: bool = True) -> JobSnapshot:
+        """Status, queue position, ETA (eta=False skips its reads), progress, and the result or
+        the worker's error, read now; UnknownJob when Redis holds no such job. A quarantined
+        job's snapshot says so, with the reason as its error."""
+        result: RenderResult | None = None
+        error: str | None = None
+        try:
+            job = self._fetch()
+        except RenderFailed as exc:  # quarantined: the reason is its error
+            return JobSnapshot(id=self.id, status=exc.status, error=exc.message)
+        status = _status(job)
+        try:
+            result = self._outcome(job)
+        except RenderFailed as exc:
+            error = exc.message
+        running = status == "started"
+        return JobSnapshot(
+            id=self.id,
+            status=status,
+            model=result.model if result is not None else keys.model_of(job.origin or ""),
+            request=_queued_request(job),
+            position=self.position() if status == "queued" else None,
+            eta_s=self.eta() if eta and status in ("queued", "started") else None,
+            progress=self.progress() if running else None,
+            result=result,
+            error=error,
+        )
+
+    def position(self) -> int | None:
+        """How many jobs are ahead of this one in its queue (0: it is next), by RQ's order;
+        None when it is not waiting in a queue (started, ended, scheduled)."""
+        origin = self._connection.hget(keys.rq_job_key(self.id), "origin")
+        if origin is None:
+            self._fetch()  # UnknownJob, or why there is none
+            return None
+        found: Any = self._connection.lpos(keys.rq_queue_key(_text(origin)), self.id)
+        return None if found is None else int(found)
+
     def eta(self) -> float | None:
         """Seconds until the result is expected, counting the jobs ahead of it in its queue and
         each one's measured fit (see api_client.eta); None until the sizes in play have fits."""
@@ -186,11 +234,24 @@ class KilnJob:
 
 
 def stored_result(job: Job) -> Any:
-    """A finished job's return value. kiln workers keep it in the job hash's `result` field (read
-    by Job.fetch), written with the job's end in one round trip; RQ's own workers write it to a
-    results stream instead, which is read when the field is absent."""
+    """A finished job's return value. kiln workers write it as RQ's own do, to the job's results
+    stream (rq:results:<id>, in the one script that writes the job's end), read here through
+    Job.return_value; a `result` field in the job hash (an older RQ's writer), which rq's
+    restore() reads, is taken first when it is there."""
     stored = job._result  # rq's restore() read the hash's result field into it
     return stored if stored is not None else job.return_value(refresh=True)
+
+
+def _queued_request(job: Job) -> RenderRequest | None:
+    """The request a job was queued with; None when its payload is not one (anyone with write
+    access to Redis may have put anything there)."""
+    from rq.exceptions import DeserializationError
+
+    try:
+        payload = job.kwargs.get("request") if isinstance(job.kwargs, dict) else None
+        return RenderRequest.parse(payload) if isinstance(payload, dict) else None
+    except (KilnError, ValueError, DeserializationError):
+        return None
 
 
 def _last_line(result: Any) -> str | None:

@@ -14,6 +14,9 @@ STOP_KEY_PREFIX = "kiln:stop:"  # string with TTL: job id -> "1" when a cancel w
 EVENTS_KEY_PREFIX = "kiln:events:"  # stream with TTL, capped: one job's life as JobEvents
 QUEUE_EVENTS_KEY_PREFIX = "kiln:queue-events:"  # stream, trimmed by age: one model's job events
 WEBHOOK_TARGETS_KEY = "kiln:webhook-targets"  # set: target names in workers' KILN_WEBHOOKS
+# set: each worker's store (KILN_OUTPUT_URL: s3://bucket/prefix, or its directory's absolute
+# path), so a client refuses an input uri outside every store before it enqueues
+STORES_KEY = "kiln:stores"
 QUARANTINE_KEY = "kiln:quarantine"  # hash: job id -> JSON {reason, at, queue, fields}, bounded
 QUARANTINE_ORDER_KEY = "kiln:quarantine:order"  # sorted set: job id -> unix time quarantined
 INPUT_KEY_PREFIX = "kiln:input:"  # string with TTL: an uploaded input image's bytes, by sha256
@@ -28,7 +31,7 @@ RQ_SCHEDULED_PREFIX = "rq:scheduled:"
 
 LANES = ("interactive", "batch")  # a request's priority; interactive is the default
 # Workers take interactive jobs first, but after BATCH_EVERY - 1 of them in a row they look at
-# the batch lanes first (worker/lanes.py); ETAs count the jobs ahead by the same rule.
+# the batch lanes first (worker/queue/lanes.py); ETAs count the jobs ahead by the same rule.
 BATCH_EVERY = 4
 BATCH_SUFFIX = ":batch"  # model ids never hold a colon (their manifest's id pattern)
 

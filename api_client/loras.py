@@ -1,6 +1,6 @@
 """LoRA adapters as a manifest allows them and a request names them: the manifest's `loras`
 entries, and the check that resolves a request's [{name, weight}] against them (no torch here;
-the worker's side is worker.adapters)."""
+the worker's side is worker.pipelines.adapters)."""
 
 from __future__ import annotations
 

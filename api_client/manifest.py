@@ -1,15 +1,17 @@
-"""The manifest schema and the rules a request must keep to; shared by client and worker.
+"""The manifest schema, its per-family tables (grid, CFG rule, modes) and the loading of manifest
+files; shared by client and worker. What a request may ask of a manifest: api_client/resolve.py.
 
-Over 300 lines because both halves grew a table per family (grid, CFG rule, modes) and each rule
-names its field, value and limit in its own words; they change together."""
+Over 400 lines because the schema, the family tables it validates against and the reading of
+manifest directories (shipped first, then KILN_MANIFESTS) are one contract: what a manifest is
+and where one comes from, read by client, gateway and worker alike."""
 
 from __future__ import annotations
 
-import math
-import random
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,14 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from api_client.errors import Problem, RequestRejected, short
-from api_client.loras import LoraSpec, check_lora_names, resolve_loras
+from api_client.errors import Problem
+from api_client.loras import LoraSpec, check_lora_names
 from api_client.schema import (
-    MAX_IMAGES,
-    MAX_PROMPT_CHARS,
-    MAX_SEED,
     Mode,
-    RenderRequest,
     Rung,
 )
 
@@ -68,7 +66,8 @@ GRID: dict[str, int] = {
 }
 
 
-# The modes each family's pipelines serve here (from_pipe of the resident one: worker.families).
+# The modes each family's pipelines serve here (from_pipe of the resident one:
+# worker.pipelines.families).
 FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
     **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "zimage")},
     **{f: ("txt2img", "img2img", "inpaint", "edit") for f in ("flux", "qwenimage")},
@@ -157,7 +156,7 @@ class Manifest(_Strict):
     rung_vram_gb: dict[Rung, float] = Field(default_factory=dict)
     # 16-bit weight size of each component. When given, min_vram_gb and rung_vram_gb are the
     # figures with nothing quantized, and the ladder counts each component at the precision and
-    # quantization this card gives it (worker.ladder.rung_need_gb).
+    # quantization this card gives it (worker.memory.ladder.rung_need_gb).
     component_gb: dict[str, float] = Field(default_factory=dict)
     # Component -> schemes in order of preference; the first the card can run is used.
     quantize: dict[str, list[QuantScheme]] = Field(default_factory=dict)
@@ -174,7 +173,7 @@ class Manifest(_Strict):
     # A replacement VAE (hub id or local directory), e.g. madebyollin/sdxl-vae-fp16-fix: an SDXL
     # VAE that does not overflow in fp16, so an fp16 card decodes without an fp32 upcast.
     vae: str | None = Field(default=None, min_length=1)
-    # Adapters a request may name, hot-swapped on the resident denoiser (worker.adapters).
+    # Adapters a request may name, hot-swapped on the resident denoiser (worker.pipelines.adapters).
     loras: dict[str, LoraSpec] = Field(default_factory=dict)
 
     @field_validator("loras")
@@ -283,197 +282,6 @@ class Manifest(_Strict):
         return self.resolutions[0]
 
 
-def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest:
-    """Fill defaults from the manifest and check every limit; RequestRejected names each break.
-
-    Nothing is clamped: a value over its limit is an error, not a quietly smaller job.
-    """
-    if request.model != manifest.id:
-        raise RequestRejected(
-            [Problem("model", request.model, f"does not match manifest {manifest.id!r}")]
-        )
-    problems: list[Problem] = []
-    steps = manifest.steps.default if request.steps is None else request.steps
-    guidance = manifest.guidance.default if request.guidance is None else request.guidance
-    default_w, default_h = manifest.default_size
-    width = default_w if request.width is None else request.width
-    height = default_h if request.height is None else request.height
-    seed = random.randint(0, MAX_SEED) if request.seed is None else request.seed
-
-    if not request.prompt.strip():
-        problems.append(Problem("prompt", request.prompt, "must not be empty"))
-    for field in ("prompt", "negative_prompt"):
-        text: str = getattr(request, field)
-        if len(text) > MAX_PROMPT_CHARS:
-            problems.append(
-                Problem(field, f"<{len(text)} chars>", f"exceeds {MAX_PROMPT_CHARS} characters")
-            )
-        elif "\x00" in text:
-            problems.append(Problem(field, text[:40], "must not contain NUL characters"))
-    if not 1 <= steps <= manifest.steps.max:
-        problems.append(
-            Problem("steps", steps, f"must be between 1 and {manifest.steps.max} (manifest max)")
-        )
-    if not math.isfinite(guidance) or not 0 <= guidance <= manifest.guidance.max:
-        hint = "; its CFG is true_cfg" if manifest.true_cfg is not None else ""
-        problems.append(
-            Problem(
-                "guidance",
-                guidance,
-                f"must be between 0 and {manifest.guidance.max} (manifest cap{hint})",
-            )
-        )
-    true_cfg = _true_cfg(request, manifest, problems)
-    problems += _negative_prompt_problems(request, manifest, guidance, true_cfg)
-    mode, strength = _mode(request, manifest, steps, problems)
-    if (width, height) not in {tuple(size) for size in manifest.resolutions}:
-        allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
-        problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
-    if not 0 <= seed <= MAX_SEED:
-        problems.append(Problem("seed", seed, f"must be between 0 and {MAX_SEED}"))
-    if not 1 <= request.num_images <= MAX_IMAGES:
-        problems.append(
-            Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
-        )
-    problems += _pin_problems(request, manifest)
-    loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
-    if problems:
-        raise RequestRejected(problems, model=manifest.id)
-    return request.model_copy(
-        update={
-            "steps": steps,
-            "guidance": float(guidance),
-            "true_cfg": true_cfg,
-            # txt2img stays unset, so a prompt-only request reads as it did before modes.
-            "mode": None if mode == "txt2img" else mode,
-            "strength": strength,
-            "loras": loras,
-            "width": width,
-            "height": height,
-            "seed": seed,
-        }
-    )
-
-
-def _mode(
-    request: RenderRequest, manifest: Manifest, steps: int, problems: list[Problem]
-) -> tuple[str, float | None]:
-    """The request's mode (by default from its image and mask), what it needs given, and its
-    strength; problems name each break. The references' own form is checked here too, without
-    reading them (api_client.inputs.parse_ref): that needs Redis or the store."""
-    from api_client.inputs import InputRefused, parse_ref
-
-    image, mask = request.image, request.mask
-    # An edit model's image is an edit's: it serves no img2img.
-    given = "edit" if "edit" in manifest.modes else "img2img"
-    mode = request.mode or ("inpaint" if mask else given if image else "txt2img")
-    if mode not in manifest.modes:
-        rule = f"must be one of {', '.join(manifest.modes)} (manifest {manifest.id}'s modes)"
-        problems.append(Problem("mode", mode, rule))
-    needs = {"img2img": ("image",), "inpaint": ("image", "mask"), "edit": ("image",)}.get(mode, ())
-    for field, value in (("image", image), ("mask", mask)):
-        if value is None and field in needs:
-            problems.append(
-                Problem(
-                    field, None, f"mode {mode} needs {'an' if field == 'image' else 'a'} {field}"
-                )
-            )
-        elif value is not None and field not in needs:
-            problems.append(Problem(field, short(value, 60), f"mode {mode} takes no {field}"))
-        elif value is not None:
-            try:
-                parse_ref(value, field)
-            except InputRefused as exc:
-                problems.append(exc.problem)
-    if mode in ("txt2img", "edit"):
-        # The edit pipelines denoise from noise with the image as context: nothing to re-noise.
-        if request.strength is not None:
-            problems.append(Problem("strength", request.strength, f"mode {mode} takes none"))
-        return mode, None
-    strength = DEFAULT_STRENGTH if request.strength is None else request.strength
-    if not math.isfinite(strength) or not 0 < strength <= 1:
-        problems.append(Problem("strength", strength, "must be above 0 and at most 1"))
-    elif int(steps * strength) < 1:
-        rule = f"with {steps} steps re-noises {steps * strength:g} of them; needs at least 1"
-        problems.append(Problem("strength", strength, rule))
-    return mode, float(strength)
-
-
-def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:
-    """The request's true CFG scale, the manifest's default, or None where the model has none."""
-    allowed = manifest.true_cfg
-    if allowed is None:
-        if request.true_cfg is not None:
-            problems.append(
-                Problem("true_cfg", request.true_cfg, f"model {manifest.id} has no true CFG")
-            )
-        return None
-    value = allowed.default if request.true_cfg is None else request.true_cfg
-    if not math.isfinite(value) or not 1 <= value <= allowed.max:
-        problems.append(
-            Problem(
-                "true_cfg",
-                value,
-                f"must be between 1 (off) and {allowed.max} (manifest cap)",
-            )
-        )
-    return float(value)
-
-
-def _negative_prompt_problems(
-    request: RenderRequest, manifest: Manifest, guidance: float, true_cfg: float | None
-) -> list[Problem]:
-    """A negative prompt steers only through the family's CFG; without it, it would be ignored."""
-    if not request.negative_prompt.strip():
-        return []
-    rule = CFG[manifest.family]
-    value = guidance if rule.field == "guidance" else true_cfg
-    if value is not None and value > rule.above:
-        return []
-    if value is None:
-        why = f"model {manifest.id} has no true CFG (its manifest allows no true_cfg)"
-    else:
-        why = f"{rule.field} is {value:g}; the negative prompt needs {rule.field} above"
-        why += f" {rule.above:g} on {manifest.id}, or it has no effect"
-    return [Problem("negative_prompt", request.negative_prompt[:40], why)]
-
-
-def _pin_problems(request: RenderRequest, manifest: Manifest) -> list[Problem]:
-    """A replay's compile pin against its rung and the manifest: torch.compile runs only at full
-    (offload hooks and Inductor conflict), never where the manifest switches it off, and always
-    where the manifest requires it at full."""
-    if request.compile is True and request.rung not in (None, "full"):
-        why = f"compile runs only at rung full, and the request pins rung {request.rung}"
-        return [Problem("compile", True, why)]
-    if request.compile is True and manifest.compile == "off":
-        return [Problem("compile", True, f"model {manifest.id}'s manifest switches compile off")]
-    if request.compile is False and request.rung == "full" and manifest.compile == "required":
-        why = f"model {manifest.id}'s manifest requires compile at rung full (compile: required)"
-        return [Problem("compile", False, why)]
-    return []
-
-
-def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Manifest:
-    """The manifest a normal job may use, or RequestRejected naming the model."""
-    manifest = manifests.get(request.model)
-    if manifest is None:
-        known = ", ".join(sorted(manifests)) or (
-            "none published (publish them with `kiln manifests publish`, or start a worker)"
-        )
-        raise RequestRejected([Problem("model", request.model, f"unknown model; known: {known}")])
-    if manifest.benchmark_only:
-        raise RequestRejected(
-            [
-                Problem(
-                    "model",
-                    request.model,
-                    "is benchmark_only: listed for `kiln bench`, refused for jobs",
-                )
-            ]
-        )
-    return manifest
-
-
 def load_manifest_file(path: Path) -> Manifest:
     """Parse one YAML manifest; raise ManifestInvalid naming file, field, value and rule."""
     from pydantic import ValidationError
@@ -507,8 +315,79 @@ def load_manifest_file(path: Path) -> Manifest:
     return manifest
 
 
-def load_manifest_dir(directory: Path) -> tuple[dict[str, Manifest], list[ManifestInvalid]]:
-    """Every manifest (*.yaml, *.yml) in directory, and every file that failed."""
+SHIPPED_PACKAGE = "kiln_manifests"  # the top-level manifests/, as pyproject.toml installs it
+
+
+def shipped_manifests() -> Path:
+    """The directory of the manifests kiln ships: the checkout's manifests/, installed as the
+    package kiln_manifests (pyproject.toml), so a wheel and an editable install read them alike,
+    from any working directory."""
+    from importlib.resources import files
+
+    root = files(SHIPPED_PACKAGE)
+    return root if isinstance(root, Path) else Path(str(root))
+
+
+class ManifestDirs(tuple[Path, ...]):
+    """Manifest directories in the order they are read: the shipped ones first, then each
+    KILN_MANIFESTS directory, a later manifest replacing an earlier one of the same id. str()
+    spells them as KILN_MANIFESTS does, so the value can be handed to a child process."""
+
+    def __str__(self) -> str:
+        return os.pathsep.join(str(path) for path in self)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            manifest_dirs,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda dirs: [str(path) for path in dirs]
+            ),
+        )
+
+
+def manifest_dirs(extra: str | Path | Iterable[str | Path] | None = None) -> ManifestDirs:
+    """The shipped manifests' directory, then each directory of extra in order: KILN_MANIFESTS's
+    value (directories separated by os.pathsep, ':' on Linux and macOS), a path, or paths. A
+    directory named twice (the shipped one included) is read once, where it is first named."""
+    if extra is None:
+        given: list[Path] = []
+    elif isinstance(extra, str):
+        given = [Path(part) for part in extra.split(os.pathsep) if part.strip()]
+    elif isinstance(extra, Path):
+        given = [extra]
+    else:
+        given = [Path(part) for part in extra]
+    dirs: list[Path] = []
+    seen: set[Path] = set()
+    for directory in (shipped_manifests(), *given):
+        directory = directory.expanduser()
+        if directory.resolve() not in seen:
+            seen.add(directory.resolve())
+            dirs.append(directory)
+    return ManifestDirs(dirs)
+
+
+def load_manifest_dir(
+    directory: str | Path | Iterable[Path],
+) -> tuple[dict[str, Manifest], list[ManifestInvalid]]:
+    """Every manifest (*.yaml, *.yml) in directory, and every file that failed. Given several
+    directories (manifest_dirs()), each is read in order, and a manifest replaces one of the same
+    id from an earlier directory. A directory that does not exist is a failure naming it."""
+    if isinstance(directory, str | Path):
+        return _load_one_dir(Path(directory))
+    manifests: dict[str, Manifest] = {}
+    failures: list[ManifestInvalid] = []
+    for each in directory:
+        found, failed = _load_one_dir(each)
+        manifests.update(found)
+        failures.extend(failed)
+    return manifests, failures
+
+
+def _load_one_dir(directory: Path) -> tuple[dict[str, Manifest], list[ManifestInvalid]]:
     if not directory.is_dir():
         bad = ManifestInvalid(
             directory, [Problem("(dir)", str(directory), "manifest directory not found")]

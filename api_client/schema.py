@@ -269,6 +269,23 @@ class Progress(BaseModel):
     preview: str | None = None  # store uri of the latest TAESD preview, when previews are on
 
 
+class JobSnapshot(BaseModel):
+    """job.snapshot(): everything known about one job now. status is job.status()'s (queued,
+    scheduled, started, finished, failed, stopped, canceled, or quarantined); position counts the
+    jobs ahead of it in its queue (0: next), None once it left the queue; result when finished,
+    error (the worker's message) when it ended without one."""
+
+    id: str
+    status: str
+    model: str | None = None
+    request: RenderRequest | None = None  # as it was queued, defaults filled in
+    position: int | None = None
+    eta_s: float | None = None
+    progress: Progress | None = None
+    result: RenderResult | None = None
+    error: str | None = None
+
+
 class JobError(BaseModel):
     """job.meta["error"]: why a job failed, stopped or was refused, in the worker's words."""
 

@@ -16,12 +16,17 @@ form is refused (secret_key), so the same string works in every Standard Webhook
 the MAC, so a receiver that rejects old timestamps (5 minutes, as those libraries do) rejects
 replays.
 
-The outbox: a job that ends where no worker's sender is at hand (cancelled while queued by a
-client, failed as abandoned in a worker's clean-up, quarantined) has its end event pushed with
-queue_webhook, to the target its request names (webhook_target, job_webhook_target), onto
-`kiln:webhook-outbox:<target>`: a list capped at OUTBOX_MAX, expiring OUTBOX_TTL_S after its last
-push. Workers configured with that target pop it (RPOP: each entry goes to one worker) and
-deliver it as their own; an entry for a target no worker knows stays until the list expires.
+The outbox, in Redis, is where every delivery waits until a receiver answers 2xx, so a worker
+killed before (or while) it sends loses none. Per target: a hash of OutboxEntry JSON by delivery
+id (`kiln:webhooks:<target>:entries`), and the id in one of three sorted sets: `due` (scored by
+when its next try is due), `taken` (a sender's lease, scored by when it lapses) or `dead`
+(scored by when its last try failed). A job's end writes its delivery in the same commit as the
+end itself: the FINISH script inlines OUTBOX_WRITE (worker/queue/execution.py), a failed or
+stopped job's end and a client's cancel call queue_webhook on the pipeline that commits the end.
+The write is idempotent (the delivery id is the same for the same end) and bounded: a target
+holding OUTBOX_MAX entries refuses more, counted in `kiln:webhooks:<target>:refused`; the
+caller that sees the refusal logs it, and every sender of that target logs the count rising.
+Any worker configured with the target sends it (worker/queue/webhooks.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import binascii
 import hashlib
 import hmac
 import json
+import logging
 import time
+import uuid
 import zlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -58,10 +65,49 @@ SECRET_FORM = (
     "Standard Webhooks has it (README, Webhooks: how to make one)"
 )
 
-OUTBOX_PREFIX = "kiln:webhook-outbox:"  # list per target, newest first: OutboxEntry JSON
-OUTBOX_MAX = 1000  # entries kept per target; the oldest go first
-OUTBOX_TTL_S = 86400  # the list expires this long after its last push
-MAX_DATA_BYTES = 64 * 2**20  # a job record's data inflated further is not read for its target
+OUTBOX_PREFIX = "kiln:webhooks:"  # kiln:webhooks:<target>:<part>, parts in OUTBOX_PARTS
+OUTBOX_PARTS = ("entries", "due", "taken", "dead", "refused")
+OUTBOX_MAX = 10_000  # entries per target (waiting, in flight and dead); past it a write is refused
+# A job record's data inflated further is unreadable (a zlib bomb stops here), for its webhook
+# target and for the worker (worker/queue/quarantine.py). The largest request kiln takes is five
+# inline images (image, mask, two controls, a reference) of 2 MB each, 2.7 MB as base64, with two
+# 4000-character prompts: under 14 MB. 16 MiB holds it.
+MAX_DATA_BYTES = 16 * 2**20
+# The write, as a Lua function for scripts that commit a job's end (FINISH inlines it), called
+# as kiln_outbox_write(entries, due, refused, id, entry JSON, due at, bound): 1 written, 0 there
+# already (the same end written twice is one delivery), REFUSED past the bound.
+OUTBOX_WRITE = """
+local function kiln_outbox_write(entries, due, refused, id, entry, at, bound)
+    if redis.call("HEXISTS", entries, id) == 1 then
+        return 0
+    end
+    if redis.call("HLEN", entries) >= tonumber(bound) then
+        redis.call("HINCRBY", refused, "count", 1)
+        redis.call("HSET", refused, "last", id, "at", at)
+        return -1
+    end
+    redis.call("HSET", entries, id, entry)
+    redis.call("ZADD", due, "NX", at, id)
+    return 1
+end
+"""
+REFUSED = -1
+FAILED = -2  # the write raised (a key of the wrong type): nothing written
+# KEYS: entries, due, refused. ARGV: id, entry JSON, due at (unix s), bound. An error is an
+# answer, not a raise, so that it never fails the caller's commit (RQ's failure MULTI).
+_QUEUE_WEBHOOK = (
+    OUTBOX_WRITE
+    + """
+local ok, answer = pcall(
+    kiln_outbox_write, KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+)
+if ok then
+    return answer
+end
+return -2
+"""
+)
+log = logging.getLogger(__name__)
 
 
 class WebhookInvalid(KilnError):
@@ -144,15 +190,64 @@ def verify_webhook(
         raise WebhookInvalid(f"signed body is not a kiln JobEvent: {exc}") from None
 
 
+def delivery_id(event: JobEvent) -> str:
+    """Stable for a job's outcome (the webhook-id): a retry, or the same end written again,
+    repeats it."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"kiln:{event.job_id}:{event.kind}"))
+
+
 class OutboxEntry(BaseModel):
-    """One delivery waiting in the outbox for a worker that knows its target."""
+    """One delivery in a target's outbox: what is sent (body, a JobEvent's JSON, the same
+    bytes every try) and how its tries went."""
 
+    id: str  # delivery_id(event): the webhook-id of every try
     target: str
-    event: JobEvent
+    kind: str
+    job_id: str
+    body: str
+    created: float  # unix s
+    attempts: int = 0
+    last_answer: str | None = None  # the receiver's (or the connection's) answer to the last try
+
+    @classmethod
+    def of(cls, target: str, event: JobEvent, now: float | None = None) -> OutboxEntry:
+        return cls(
+            id=delivery_id(event),
+            target=target,
+            kind=event.kind,
+            job_id=event.job_id,
+            body=event.model_dump_json(exclude={"id"}, exclude_none=True),
+            created=time.time() if now is None else now,
+        )
 
 
-def outbox_key(target: str) -> str:
-    return f"{OUTBOX_PREFIX}{target}"
+def outbox_key(target: str, part: str) -> str:
+    """A target's outbox key: part is one of OUTBOX_PARTS."""
+    return f"{OUTBOX_PREFIX}{target}:{part}"
+
+
+def outbox_write(target: str, event: JobEvent) -> tuple[list[str], list[str | float | int]]:
+    """KEYS and ARGV of kiln_outbox_write (OUTBOX_WRITE) for the event's delivery to target,
+    due now; ValueError for a target that is not a target name."""
+    if not WEBHOOK_NAME.fullmatch(target):
+        raise ValueError(f"webhook target {short(target)!r} is not a target name")
+    entry = OutboxEntry.of(target, event)
+    return (
+        [outbox_key(target, "entries"), outbox_key(target, "due"), outbox_key(target, "refused")],
+        [entry.id, entry.model_dump_json(), entry.created, OUTBOX_MAX],
+    )
+
+
+def log_refused(target: str, event: JobEvent) -> None:
+    """What a writer that saw its write refused says (never silent)."""
+    log.error(
+        "webhook %s of job %s to %s refused: its outbox holds %d deliveries (OUTBOX_MAX); "
+        "see `kiln webhooks`",
+        delivery_id(event),
+        event.job_id,
+        target,
+        OUTBOX_MAX,
+    )
 
 
 def webhook_target(request: Any) -> str | None:
@@ -176,7 +271,7 @@ def job_webhook_target(data: bytes | None) -> str | None:
         text = data
     try:
         payload = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the reader's stack
         return None
     if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[3], dict)):
         return None
@@ -184,24 +279,30 @@ def job_webhook_target(data: bytes | None) -> str | None:
 
 
 def queue_webhook(redis: Redis | Pipeline, target: str | None, event: JobEvent) -> bool:
-    """Put a job's end event in the target's outbox; False, and nothing written, when there is
-    no target (None: the job's request named none).
+    """Write a job's end event's delivery into the target's outbox (one script, idempotent,
+    bounded: OUTBOX_WRITE); False, and nothing written, when there is no target (None: the
+    job's request named none), or when a write of its own was refused or failed (logged here).
 
-    Given a pipeline, the commands join it (the caller executes it); given a connection, they
-    go in one round trip of their own. Client-side: needs no target URLs or secrets.
+    Given a pipeline (MULTI or not), the script joins it, so the delivery commits with whatever
+    the caller commits there (its answer, REFUSED past the bound or FAILED, is in the pipeline's
+    results, never raised; a refusal is counted in Redis, where every sender of the target logs
+    it). Given a connection, it is one round trip of its own. Client-side: needs no target URLs
+    or secrets.
     """
     if target is None:
         return False
-    if not WEBHOOK_NAME.fullmatch(target):
-        raise ValueError(f"webhook target {short(target)!r} is not a target name")
-    entry = OutboxEntry(target=target, event=event).model_dump_json(exclude_none=True)
+    keys, args = outbox_write(target, event)
+    script = redis.register_script(_QUEUE_WEBHOOK)
     from redis.client import Pipeline
 
-    pipe = redis if isinstance(redis, Pipeline) else redis.pipeline(transaction=False)
-    key = outbox_key(target)
-    pipe.lpush(key, entry)
-    pipe.ltrim(key, 0, OUTBOX_MAX - 1)
-    pipe.expire(key, OUTBOX_TTL_S)
-    if pipe is not redis:
-        pipe.execute()
-    return True
+    if isinstance(redis, Pipeline):
+        script(keys=keys, args=args)
+        return True
+    answer = int(script(keys=keys, args=args))
+    if answer == REFUSED:
+        log_refused(target, event)
+    elif answer == FAILED:
+        log.error(
+            "webhook of job %s to %s not written: a key of the wrong type", event.job_id, target
+        )
+    return answer >= 0

@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
 
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     build_tiny_models(ROOT / "models")
     rows = [measure(model, args.repeats) for model in args.models.split(",")]
@@ -56,10 +56,10 @@ def main() -> int:
 
 def measure(model: str, repeats: int) -> dict[str, Any]:
     from api_client.schema import LoraChoice
-    from worker.device import probe
-    from worker.faults import FaultPlan
-    from worker.loading import load_pipeline
     from worker.manifest import load_manifests
+    from worker.memory.device import probe
+    from worker.memory.faults import FaultPlan
+    from worker.pipelines.loading import load_pipeline
     from worker.settings import Settings
 
     settings = Settings(models_dir=ROOT / "models", manifests=ROOT / "manifests")

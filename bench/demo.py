@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from api_client import KilnClient, RenderFailed  # noqa: E402
-from worker.display import phase_table, wide_console  # noqa: E402
-from worker.report import summarize, summary_table  # noqa: E402
+from worker.ops.display import phase_table, wide_console  # noqa: E402
+from worker.ops.report import summarize, summary_table  # noqa: E402
+from worker.render.timings import read_records  # noqa: E402
 from worker.settings import Settings  # noqa: E402
-from worker.timings import read_records  # noqa: E402
 
 console = wide_console()
 
@@ -72,7 +72,7 @@ def run(url: str, suite_path: Path, started: float) -> int:
     from worker.logs import quiet_libraries
 
     quiet_libraries()  # before torch and diffusers are imported
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     t0 = time.perf_counter()
     built = build_tiny_models(settings.models_dir)

@@ -29,15 +29,15 @@ disk that holds one of them at least; the check deletes the others when the next
 #   guidance_embeds (dev: true). BFL's own flux repo (configs/config-dev.json) has the same depth
 #   19 + 38, axes 16/56/56, 16 latent channels, scale 0.3611 and shift 0.1159. The CLIP is
 #   openai/clip-vit-large-patch14's text tower, the T5 google/t5-v1_1-xxl's encoder (as in SD3's
-#   text_encoder_3.json), the scheduler as worker/tiny/flux.py copies it. Built at bf16 they come to
-#   23.80 + 9.52 + 0.25 + 0.17 GB, flux1-dev.yaml's component_gb exactly.
+#   text_encoder_3.json), the scheduler as worker/pipelines/tiny/flux.py copies it. Built at bf16
+# they come to   23.80 + 9.52 + 0.25 + 0.17 GB, flux1-dev.yaml's component_gb exactly.
 # - qwenimage: the transformer and VAE configs are QwenImageTransformer2DModel's and
 #   AutoencoderKLQwenImage's defaults (latents_mean/std are Wan 2.1's), 40.86 + 0.25 GB at bf16.
 #   Copies of the hub transformer config also carry pooled_projection_dim 768, which the 0.42
 #   class does not take: left out. The text encoder is Qwen2.5-VL-7B-Instruct's config in
 #   transformers 5 spelling (rope_scaling + rope_theta became rope_parameters); unconfirmed that
 #   Qwen-Image's text_encoder/config.json is that file unchanged. The scheduler is as
-#   worker/tiny/qwenimage.py copies it.
+#   worker/pipelines/tiny/qwenimage.py copies it.
 
 from __future__ import annotations
 
@@ -63,26 +63,26 @@ import torch  # noqa: E402 - after the path fix so `python bench/gpu_check.py` f
 
 from api_client.manifest import Manifest, load_manifest_file  # noqa: E402
 from api_client.schema import RUNGS, Rung  # noqa: E402
-from worker.context import LocalContext  # noqa: E402
-from worker.families import spec_of  # noqa: E402
-from worker.faults import FaultPlan  # noqa: E402
-from worker.ladder import rung_need_gb  # noqa: E402
-from worker.loading import load_pipeline  # noqa: E402
-from worker.peaks import PeakBook  # noqa: E402
-from worker.quantize import unsupported_reason, weight_summary  # noqa: E402
-from worker.render import Renderer  # noqa: E402
-from worker.resident import LoadedPipeline  # noqa: E402
-from worker.settings import Settings  # noqa: E402
-from worker.timings import TimingRecord  # noqa: E402
+from worker.memory.faults import FaultPlan  # noqa: E402
+from worker.memory.ladder import rung_need_gb  # noqa: E402
+from worker.memory.peaks import PeakBook  # noqa: E402
+from worker.pipelines.families import spec_of  # noqa: E402
+from worker.pipelines.loading import load_pipeline  # noqa: E402
+from worker.pipelines.quantize import unsupported_reason, weight_summary  # noqa: E402
+from worker.pipelines.resident import LoadedPipeline  # noqa: E402
 
 # the same offline tokenizers as kiln's tiny models
-from worker.tiny.tokenizers import (  # noqa: E402
+from worker.pipelines.tiny.tokenizers import (  # noqa: E402
     FLUX_T5_MAX_LENGTH,
     clip_tokenizer,
     qwen2_vl_tokenizer,
     t5_tokenizer,
     token_id,
 )
+from worker.render.context import LocalContext  # noqa: E402
+from worker.render.renderer import Renderer  # noqa: E402
+from worker.render.timings import TimingRecord  # noqa: E402
+from worker.settings import Settings  # noqa: E402
 
 CONFIGS = ROOT / "bench" / "configs"
 MANIFESTS = ROOT / "manifests"
@@ -730,20 +730,21 @@ def _release(cuda: bool) -> None:
 # 2. Each rung: a cold job (load, cache fill) then a warm one, timed by kiln's own stopwatch
 
 
-class _RecordingRenderer(Renderer):
-    """A renderer for one manifest that keeps every timing record it hands to its listener."""
+class _Recorder:
+    """A renderer for one manifest, and every timing record it hands to its listener."""
 
     def __init__(self, settings: Settings, manifest: Manifest) -> None:
         self.records: list[TimingRecord] = []
-        super().__init__(settings, {manifest.id: manifest}, on_record=self.records.append)
+        self.renderer = Renderer(settings, {manifest.id: manifest}, on_record=self.records.append)
 
     def evict_all(self) -> None:
-        for model_id in self.cache.model_ids():
-            self.cache.evict(model_id)
+        cache = self.renderer.cache
+        for model_id in cache.model_ids():
+            cache.evict(model_id)
 
 
 def _job(
-    renderer: _RecordingRenderer,
+    recorder: _Recorder,
     manifest: Manifest,
     steps: int,
     tag: str,
@@ -758,8 +759,9 @@ def _job(
         "height": height,
         "seed": 1,
     }
-    result = renderer.render(payload, LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}"))
-    record = renderer.records[-1]
+    ctx = LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}")
+    result = recorder.renderer.render(payload, ctx)
+    record = recorder.records[-1]
     return {
         "rung": result.rung,
         "size": f"{width}x{height}",
@@ -816,13 +818,13 @@ def _check_rungs(run: Run, case: Case) -> None:
 
 def _rung(run: Run, case: Case, manifest: Manifest, rung: Rung) -> dict[str, Any]:
     pinned = run.settings.model_copy(update={"memory_mode": rung, "compile": "off"})
-    renderer = _RecordingRenderer(pinned, manifest)
+    recorder = _Recorder(pinned, manifest)
     try:
-        cold = _job(renderer, manifest, run.steps(case), "cold")
-        warm = _job(renderer, manifest, run.steps(case), "warm")
-        weights = _weights(renderer.cache.get(manifest.id), spec_of(case.family).denoiser)
+        cold = _job(recorder, manifest, run.steps(case), "cold")
+        warm = _job(recorder, manifest, run.steps(case), "warm")
+        weights = _weights(recorder.renderer.cache.get(manifest.id), spec_of(case.family).denoiser)
     finally:
-        renderer.evict_all()
+        recorder.evict_all()
     return {
         "rung": rung,
         "load_s": cold["timings"]["load"],
@@ -870,7 +872,7 @@ def _quantized(run: Run, case: Case, variant: Manifest, component: str) -> dict[
     """One variant at full: its weights, load and warm denoise. A scheme kiln says this card
     cannot run is loaded for kiln's report of that and not rendered: it would run unquantized,
     a second measure of the baseline."""
-    from worker.device import probe
+    from worker.memory.device import probe
 
     info = probe(run.settings)
     schemes = variant.quantize.get(component, [])
@@ -882,15 +884,15 @@ def _quantized(run: Run, case: Case, variant: Manifest, component: str) -> dict[
         del loaded
         _release(run.shelf.cuda)
         return {**figures, "unsupported_reason": why, "warm_denoise_s": None}
-    renderer = _RecordingRenderer(
+    recorder = _Recorder(
         run.settings.model_copy(update={"memory_mode": "full", "compile": "off"}), variant
     )
     try:
-        cold = _job(renderer, variant, run.steps(case), "quant-cold")
-        warm = _job(renderer, variant, run.steps(case), "quant-warm")
-        weights = _weights(renderer.cache.get(variant.id), component)
+        cold = _job(recorder, variant, run.steps(case), "quant-cold")
+        warm = _job(recorder, variant, run.steps(case), "quant-warm")
+        weights = _weights(recorder.renderer.cache.get(variant.id), component)
     finally:
-        renderer.evict_all()
+        recorder.evict_all()
     return {
         **weights,
         "unsupported_reason": why,
@@ -965,20 +967,20 @@ def _check_compile_methods(run: Run, case: Case) -> None:
 def _compiled(run: Run, case: Case, variant: Manifest, second: tuple[int, int]) -> dict[str, Any]:
     # Each method's cold compile starts from nothing, not from the graphs the other one left.
     torch._dynamo.reset()
-    renderer = _RecordingRenderer(
+    recorder = _Recorder(
         run.settings.model_copy(update={"memory_mode": "full", "compile": "on"}), variant
     )
     steps = run.steps(case)
     try:
-        cold = _job(renderer, variant, steps, "compile-cold")
-        warm = _job(renderer, variant, steps, "compile-warm")
-        resized = _job(renderer, variant, steps, "compile-resized", second)
-        resized_warm = _job(renderer, variant, steps, "compile-resized-warm", second)
-        loaded = renderer.cache.get(variant.id)
+        cold = _job(recorder, variant, steps, "compile-cold")
+        warm = _job(recorder, variant, steps, "compile-warm")
+        resized = _job(recorder, variant, steps, "compile-resized", second)
+        resized_warm = _job(recorder, variant, steps, "compile-resized-warm", second)
+        loaded = recorder.renderer.cache.get(variant.id)
         applied = loaded.settings.applied if loaded is not None else []
         how = next((n.reason for n in applied if n.name == "compile"), None)
     finally:
-        renderer.evict_all()
+        recorder.evict_all()
     return {
         "how": how,
         "compiled": cold["compiled"],
@@ -993,7 +995,7 @@ def _compiled(run: Run, case: Case, variant: Manifest, second: tuple[int, int]) 
         "recompiles_after_warmup": warm["recompiles"],
         "recompiles_at_second_size": resized["recompiles"],
         "recompiles_total": resized_warm["recompiles"],
-        "recompile_causes": [c for r in renderer.records for c in r.recompile_causes],
+        "recompile_causes": [c for r in recorder.records for c in r.recompile_causes],
     }
 
 
@@ -1012,17 +1014,17 @@ def _check_compile(run: Run) -> None:
             continue
         label = f"{case.family}@{manifest.default_size[0]}"
         eager = next((r["warm"] for r in run.report.rungs if r["case"] == f"{label} full"), None)
-        renderer = _RecordingRenderer(
+        recorder = _Recorder(
             run.settings.model_copy(update={"memory_mode": "full", "compile": "on"}), manifest
         )
         try:
-            cold = _job(renderer, manifest, run.steps(case), "compile-cold")
-            warm = [_job(renderer, manifest, run.steps(case), f"compile-warm{i}") for i in range(2)]
+            cold = _job(recorder, manifest, run.steps(case), "compile-cold")
+            warm = [_job(recorder, manifest, run.steps(case), f"compile-warm{i}") for i in range(2)]
         except Exception as exc:
             run.report.failures.append(f"compile {label}: {type(exc).__name__}: {exc}")
             continue
         finally:
-            renderer.evict_all()
+            recorder.evict_all()
         best = min(w["timings"]["denoise"] for w in warm)
         entry = {
             "case": label,
@@ -1043,7 +1045,7 @@ def _check_compile(run: Run) -> None:
 
 
 def _check_int8(run: Run, case: Case, component: str) -> dict[str, Any]:
-    from worker.device import probe
+    from worker.memory.device import probe
 
     manifest = run.manifest(case, "int8", "quant", f"int8 {component}")
     if manifest is None:
@@ -1081,7 +1083,7 @@ def _check_int8(run: Run, case: Case, component: str) -> dict[str, Any]:
 
 
 def _check_profile(report: Report, settings: Settings, cuda: bool) -> None:
-    from worker.device import probe_real
+    from worker.memory.device import probe_real
     from worker.profiles import GIB, PROFILES, profile_for
 
     if not cuda:
@@ -1147,24 +1149,24 @@ def _check_oom(run: Run, case: Case) -> None:
         drill = "oom@load:full,oom@load:partial,oom@denoise:model_offload*2"
         auto = auto.model_copy(update={"faults": drill})
         how = f"drilled: KILN_FAULTS={drill} (no GPU)"
-    renderer = _RecordingRenderer(auto, manifest)
+    recorder = _Recorder(auto, manifest)
     # The drill walks the ladder from the declared figures: what this run measured so far
-    # (worker.peaks) would place the model below the rungs it means to fail.
-    renderer.peaks = PeakBook(None, "gpu-check oom drill")
+    # (worker.memory.peaks) would place the model below the rungs it means to fail.
+    recorder.renderer.planner.peaks = PeakBook(None, "gpu-check oom drill")
     try:
-        job = _job(renderer, manifest, run.steps(case), "oom")
+        job = _job(recorder, manifest, run.steps(case), "oom")
         run.report.oom = {"how": how, **job}
         if job["rung"] == "full" or not any(a["outcome"] == "oom" for a in job["attempts"]):
             run.report.failures.append(f"oom: no out-of-memory happened ({job['attempts']})")
     except Exception as exc:
-        records = renderer.records
+        records = recorder.records
         attempts = (
             [a.model_dump(exclude_none=True) for a in records[-1].attempts] if records else []
         )
         run.report.oom = {"how": how, "error": f"{type(exc).__name__}: {exc}", "attempts": attempts}
         run.report.failures.append(f"oom: the ladder did not survive: {exc}")
     finally:
-        renderer.evict_all()
+        recorder.evict_all()
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0, 0)
 

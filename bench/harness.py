@@ -69,7 +69,7 @@ def running_worker(
     """`kiln worker --models MODELS` on url, ready (its state published); its environment.
     module: another launcher of the same command line (a fake from tests/fixtures)."""
     from api_client import KilnClient
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     build_tiny_models(MODELS_DIR)
     env = {**kiln_env(url, work), **(extra_env or {})}

@@ -124,11 +124,11 @@ def measure_fast(
     import torch
 
     from api_client import KilnClient
-    from worker.context import LocalContext
-    from worker.faults import FaultPlan
-    from worker.loading import load_pipeline
     from worker.manifest import load_manifests
-    from worker.render import Renderer
+    from worker.memory.faults import FaultPlan
+    from worker.pipelines.loading import load_pipeline
+    from worker.render.context import LocalContext
+    from worker.render.renderer import Renderer
     from worker.settings import Settings
 
     settings = Settings(output_dir=work / "engine", timings_log=work / "engine" / "timings.jsonl")
@@ -280,8 +280,7 @@ def report(args: argparse.Namespace, times: dict[str, Any]) -> None:
         "engine_vs_bare": med("engine") / med("bare"),
         "naive_vs_queue": med("naive") / med("queue"),
         "redis_cmds_per_job": times["redis_cmds"],
-        "redis_cmds_per_s_rendering": (times["long_cmds"] - times["redis_cmds"])
-        / times["long_s"],
+        "redis_cmds_per_s_rendering": (times["long_cmds"] - times["redis_cmds"]) / times["long_s"],
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
 
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     build_tiny_models(ROOT / "models")
     rows = [
@@ -55,13 +55,14 @@ def main() -> int:
 
 
 def half_budget(model: str) -> float:
-    """A budget keeping the first half of the denoiser's blocks resident (worker.partial's rule)."""
+    """A budget keeping the first half of the denoiser's blocks resident (worker.memory.partial's
+    rule)."""
     import diffusers
 
-    from worker.families import spec_of
-    from worker.ladder import GB, rung_need_gb
     from worker.manifest import load_manifests
-    from worker.partial import MARGIN, denoiser_blocks, module_bytes
+    from worker.memory.ladder import GB, rung_need_gb
+    from worker.memory.partial import MARGIN, denoiser_blocks, module_bytes
+    from worker.pipelines.families import spec_of
 
     manifest = load_manifests(ROOT / "manifests", [model])[model]
     spec = spec_of(manifest.family)
@@ -74,10 +75,10 @@ def half_budget(model: str) -> float:
 
 def run(model: str, rung: str, jobs: int, steps: int, size: int) -> dict[str, Any]:
     from bench.harness import tiny_settings
-    from worker.context import LocalContext
     from worker.manifest import load_manifests
-    from worker.render import Renderer
-    from worker.timings import TimingRecord
+    from worker.render.context import LocalContext
+    from worker.render.renderer import Renderer
+    from worker.render.timings import TimingRecord
 
     seen: list[TimingRecord] = []
     budget = half_budget(model) if rung == "partial" else None

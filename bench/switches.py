@@ -4,8 +4,8 @@ by side in one process (issue 18), from the records kiln writes:
 1. a queue alternating two models (A, B, A, B...), the RAM cache off and on: load seconds per
    switch;
 2. a queue that takes several models in turn, each new to the process, with and without reading
-   the next job's model ahead (worker/prefetch.py): load seconds per job, and the queue's wall
-   time, since on a CPU the read competes with the render it overlaps.
+   the next job's model ahead (worker/pipelines/prefetch.py): load seconds per job, and the queue's
+   wall time, since on a CPU the read competes with the render it overlaps.
 
     python bench/switches.py [--models tiny-sd15,tiny-flux] [--jobs 12]
         [--turns tiny-sd15,tiny-flux,...] [--steps 8] [--json FILE]
@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
 
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     build_tiny_models(ROOT / "models")
     models = args.models.split(",")
@@ -78,10 +78,10 @@ def run(
     next job's model, as a queue worker's lanes tell it."""
     from api_client.schema import RenderRequest
     from bench.harness import tiny_settings
-    from worker.context import LocalContext
     from worker.manifest import load_manifests
-    from worker.render import Renderer
-    from worker.timings import TimingRecord
+    from worker.render.context import LocalContext
+    from worker.render.renderer import Renderer
+    from worker.render.timings import TimingRecord
 
     seen: list[TimingRecord] = []
     with tempfile.TemporaryDirectory() as out:

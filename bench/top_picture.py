@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from api_client.connection import connect
-from worker.top import render, snapshot
+from worker.ops.top import render, snapshot
 
 
 def main() -> None:

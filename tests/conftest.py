@@ -1,13 +1,16 @@
 """Shared fixtures: a real Redis (own database, flushed around each test), the tiny pipelines
-built once per session, and settings pointing every output at the test's tmp dir."""
+built once per run (shared by pytest-xdist's workers), and settings pointing every output at
+the test's tmp dir. `--file-durations=PATH` writes each test file's time (`make test` does)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,7 +85,7 @@ def _reachable(url: str) -> bool:
 def _no_measured_peaks(redis_url: str) -> None:
     """Every test plans from the manifests until it measures something itself: what an earlier
     test's jobs measured (kiln:peaks, shared like a fleet's) would change its placements."""
-    from worker.peaks import KEY
+    from worker.memory.peaks import KEY
 
     with Redis.from_url(redis_url) as conn:
         conn.delete(KEY)
@@ -99,10 +102,18 @@ def redis_conn(redis_url: str) -> Iterator[Redis]:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny import build_tiny_models
+    """The tiny pipelines, built once per run: under pytest-xdist, the first worker to get here
+    builds them in the run's shared temp dir while the others wait on the lock, then each finds
+    them current (build_tiny_models skips a pipeline stamped by this builder version)."""
+    from worker.pipelines.tiny import build_tiny_models
 
-    directory = tmp_path_factory.mktemp("models")
-    build_tiny_models(directory)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, one per run
+    directory = root / "models"
+    with open(root / "models.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_tiny_models(directory)
     return directory
 
 
@@ -171,3 +182,59 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server.setup()
     yield server
     server.stop()
+
+
+# Each test file's time: setup, call and teardown of its tests, summed (under pytest-xdist the
+# controller gets every worker's reports, so the sum is the file's cost, not its wall time).
+_FILE_SECONDS: dict[str, float] = defaultdict(float)
+_FILE_TESTS: dict[str, int] = defaultdict(int)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--file-durations",
+        metavar="PATH",
+        help="write each test file's summed test time to PATH, slowest first (a markdown table)",
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] += report.duration
+    if report.when == "setup":  # every test has one, whether it then errs, skips or runs
+        _FILE_TESTS[path] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    target = config.getoption("--file-durations")
+    if not target or hasattr(config, "workerinput") or not _FILE_SECONDS:
+        return
+    rows = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    total = sum(_FILE_SECONDS.values())
+    lines = ["| file | tests | seconds | share |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {path} | {_FILE_TESTS[path]} | {seconds:.1f} | {100 * seconds / total:.1f} % |"
+        for path, seconds in rows
+    ]
+    lines.append(f"| all {len(rows)} files | {sum(_FILE_TESTS.values())} | {total:.1f} | |")
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    terminalreporter.write_sep("=", f"slowest files (of {len(rows)}; all in {target})")
+    for path, seconds in rows[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {_FILE_TESTS[path]:4d} tests  {path}")
+    terminalreporter.write_line(f"{total:8.1f}s  summed over {len(rows)} files")
+
+
+@pytest.fixture
+def gateway(kiln_env: dict[str, str], redis_conn: Redis, tmp_path: Path) -> Iterator[Any]:
+    """A running `kiln api` (tests/fixtures/gateway.py) on a free port over this test's Redis;
+    gateway.token is an admin token made for it."""
+    from tests.fixtures.gateway import start_gateway
+    from tests.workers import free_port
+
+    server, token = start_gateway(kiln_env, redis_conn, tmp_path, free_port())
+    server.token = token  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        server.stop()

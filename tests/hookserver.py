@@ -1,6 +1,7 @@
 """A live webhook receiver for tests: http.server on 127.0.0.1 in a thread, keeping every POST
 (headers, looked up in any case as HTTP has them, and body). It can be started late on a fixed
-port, to play a receiver that was down."""
+port, to play a receiver that was down, or answer a failing status (`status`, `answer`) to play
+one that is deploying; `received` keeps every request, `delivered()` those answered 2xx."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Received:
     path: str
     headers: Headers
     body: bytes
+    status: int = 204  # what this request was answered
 
 
 class HookServer:
@@ -41,6 +43,8 @@ class HookServer:
         # A slow receiver: while this is clear, each request waits (up to 60 s) before answering.
         self.answering = threading.Event()
         self.answering.set()
+        self.status = 204  # the answer to each request from now on
+        self.answer = b""  # and its body
         self.received: list[Received] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -52,14 +56,18 @@ class HookServer:
     def start(self) -> None:
         received = self.received
         answering = self.answering
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 answering.wait(60)
-                received.append(Received(self.path, Headers(self.headers.items()), body))
-                self.send_response(204)
+                status, answer = server.status, server.answer
+                received.append(Received(self.path, Headers(self.headers.items()), body, status))
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args: object) -> None:
                 return None
@@ -75,5 +83,9 @@ class HookServer:
             self._server = None
 
     def wait_for(self, count: int, timeout: float = 30) -> list[Received]:
+        """The first count requests (answered 2xx unless `status` says otherwise)."""
         wait_until(lambda: len(self.received) >= count, timeout, f"{count} webhook deliveries")
         return list(self.received)
+
+    def delivered(self) -> list[Received]:
+        return [r for r in self.received if 200 <= r.status < 300]

@@ -3,11 +3,15 @@ client: at most 30 commands a job in fixed cost (submit, start, end, the client'
 most 3 a second while it renders (heartbeats, progress events and the client reading them),
 beside the worker's own sweep for lapsed leases, which runs whether it renders or not: one
 script every 5 s reading two registries per lane it listens to (1 a second for one model's two
-lanes; the priority lanes doubled it, and a 10 s window read 3.15-3.19 a second in all)."""
+lanes; the priority lanes doubled it, and a 10 s window read 3.15-3.19 a second in all). The
+fixed cost is what ten more jobs add, less what the sweep and the lease pushes cost by the clock
+over the seconds those jobs took: a loaded machine stretches them without adding a command a
+job."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +20,7 @@ from redis import Redis
 from api_client import keys
 from tests.helpers import burst, client_for, make_renderer
 from tests.workers import pace_here
-from worker.queue import KilnWorker
+from worker.queue.worker import KilnWorker
 
 REQUEST = {"model": "tiny-sd15", "prompt": "budget", "steps": 2}
 
@@ -28,6 +32,7 @@ def counted(conn: Redis, run: Any) -> int:
     return sum(s["calls"] for name, s in stats.items() if name != "cmdstat_info")
 
 
+@pytest.mark.serial
 def test_a_job_costs_at_most_30_commands_and_3_a_second_while_rendering(
     redis_conn: Redis, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -48,8 +53,25 @@ def test_a_job_costs_at_most_30_commands_and_3_a_second_while_rendering(
             thread.join()
         return sum(job.wait(timeout=1).timings.total for job in submitted)
 
-    one = counted(redis_conn, lambda: jobs(1, 2))
-    fixed = (counted(redis_conn, lambda: jobs(11, 2)) - one) / 10
+    def timed(run: Any) -> tuple[int, float, float]:
+        """Commands, wall seconds and seconds rendered of one burst."""
+        started, rendered = time.monotonic(), []
+        commands = counted(redis_conn, lambda: rendered.append(run()))
+        return commands, time.monotonic() - started, rendered[0]
+
+    queues = len(keys.LANES)  # the worker of one model listens to its two lanes
+    sweep = (1 + 2 * queues) / KilnWorker.sweep_interval_s  # execution.ANY_DUE, one EVALSHA
+    one, one_wall, one_rendered = timed(lambda: jobs(1, 2))
+    many, many_wall, many_rendered = timed(lambda: jobs(11, 2))
+    # What runs by the clock, not by the job, is the budget's other two terms: the sweep beside
+    # every worker, and a lease push every heartbeat interval while a job renders. A loaded
+    # machine stretches the ten extra jobs' seconds; charged by the clock, those commands are
+    # not the jobs' fixed cost (the per-second check below bounds them).
+    clocked = (
+        sweep * (many_wall - one_wall)
+        + (many_rendered - one_rendered) / KilnWorker.heartbeat_interval_s
+    )
+    fixed = (many - one - clocked) / 10
     # One job in flight, about 10 s long (40 steps paced to 0.25 s): heartbeats, progress, the
     # client reading it, against one 2-step job. Long enough that where the worker's 5 s sweep
     # falls (two commands, once or twice in the window) moves the rate by 0.2 a second at most:
@@ -60,11 +82,10 @@ def test_a_job_costs_at_most_30_commands_and_3_a_second_while_rendering(
     seconds: list[float] = []
     long = counted(redis_conn, lambda: seconds.append(jobs(1, 40, live=True)))
     per_second = (long - one_live) / (seconds[0] - short[0])
-    queues = len(keys.LANES)  # the worker of one model listens to its two lanes
-    sweep = (1 + 2 * queues) / KilnWorker.sweep_interval_s  # execution.ANY_DUE, one EVALSHA
     print(
-        f"\n{fixed:.1f} commands a job in fixed cost; {per_second:.2f} a second while rendering,"
+        f"\n{fixed:.1f} commands a job in fixed cost ({clocked:.1f} by the clock left out of"
+        f" {many - one}); {per_second:.2f} a second while rendering,"
         f" {sweep:.2f} of them the sweep's"
     )
-    assert fixed <= 30, fixed
+    assert fixed <= 30, (fixed, many, one, many_wall, one_wall)
     assert per_second <= 3 + sweep, (long, one_live, seconds, short)

@@ -12,8 +12,9 @@ import pytest
 from redis import Redis
 
 from api_client import KilnClient, Progress, RenderFailed, keys
+from tests.fixtures.gate import hold_here
 from tests.helpers import burst, make_renderer, records
-from tests.workers import SLOW_MODEL, pace_here, slow_manifests, wait_until
+from tests.workers import SLOW_MODEL, slow_manifests, wait_until
 
 
 @pytest.fixture
@@ -39,7 +40,6 @@ def test_cancel_a_queued_job_removes_it(redis_conn: Redis, settings: Any) -> Non
 def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
     redis_conn: Redis, slow_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pace_here(monkeypatch, 0.1)  # a step takes at least 0.1 s, however fast the machine
     client = KilnClient(connection=redis_conn, manifests_dir=slow_settings.manifests)
     job = client.submit({"model": SLOW_MODEL, "prompt": "stop me", "steps": 40, "seed": 2})
     after = client.submit({"model": SLOW_MODEL, "prompt": "next", "steps": 2, "seed": 2})
@@ -61,6 +61,7 @@ def test_cancel_a_running_job_stops_it_at_the_next_step_without_retry(
         assert job.cancel() == "started"
         cancelled_at.append(time.time())
 
+    hold_here(monkeypatch, lambda step: bool(cancelled_at))  # the job is at step 2 until then
     canceller = threading.Thread(target=cancel_when_denoising)
     canceller.start()
     burst(redis_conn, make_renderer(slow_settings, [SLOW_MODEL]), [SLOW_MODEL])

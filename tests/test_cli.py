@@ -14,7 +14,8 @@ from redis import Redis
 
 from tests.conftest import ROOT, kiln
 from tests.helpers import client_for, records
-from worker.tiny import TINY_FAMILIES
+from tests.workers import wait_until
+from worker.pipelines.tiny import TINY_FAMILIES
 
 NEW_FAMILIES = ["tiny-flux", "tiny-flux2", "tiny-qwenimage", "tiny-zimage"]
 
@@ -23,8 +24,10 @@ try:
     {code}
 except SystemExit:
     pass
-print([m for m in ("torch", "diffusers", "transformers", "yaml") if m in sys.modules])
+print([m for m in {modules!r} if m in sys.modules])
 """
+HEAVY = ("torch", "diffusers", "transformers", "yaml")
+WEB = ("fastapi", "starlette", "uvicorn")
 
 
 @pytest.mark.parametrize(
@@ -32,20 +35,37 @@ print([m for m in ("torch", "diffusers", "transformers", "yaml") if m in sys.mod
     [
         "import api_client",
         "from worker.cli import main; main(['--help'])",
+        "from worker.cli import main; main(['api', '--help'])",
         "import worker.settings",
+        "from api_client.http.tokens import Tokens",
     ],
-    ids=["import api_client", "kiln --help", "settings"],
+    ids=["import api_client", "kiln --help", "kiln api --help", "settings", "kiln api token"],
 )
-def test_light_paths_never_import_torch(code: str) -> None:
+def test_light_paths_never_import_torch_or_the_web_framework(code: str) -> None:
+    assert loaded_by(code) == "[]"
+
+
+def loaded_by(code: str) -> str:
+    """Which of HEAVY and WEB a fresh interpreter has loaded after running code."""
     done = subprocess.run(
-        [sys.executable, "-c", NO_TORCH.format(code=code)],
+        [sys.executable, "-c", NO_TORCH.format(code=code, modules=HEAVY + WEB)],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_gateway_loads_its_web_framework_and_never_torch() -> None:
+    """The probe above sees the framework once the gateway is built: it is not vacuous."""
+    code = (
+        "from api_client.http.app import create_app\n    "
+        "from api_client.http.settings import ApiSettings\n    "
+        "create_app(ApiSettings())"
+    )
+    assert loaded_by(code) == str(["fastapi", "starlette"])
 
 
 def test_submit_rejects_with_a_message_naming_field_value_and_limit(
@@ -87,6 +107,8 @@ def test_submit_wait_json_through_a_real_worker_process(
         text=True,
     )
     try:
+        # --wait refuses to wait on a model no live worker serves: this one is up first.
+        wait_until(lambda: client_for(redis_conn, settings).workers(), 120, "the worker to start")
         submit = ("submit", "a red fox", "--model", "tiny-sd15", "--steps", "3", "--seed", "5")
         waiting = ("--wait", "--timeout", "120")
         done = kiln(*submit, *waiting, "--json", env=kiln_env, timeout=180)

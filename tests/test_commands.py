@@ -15,9 +15,9 @@ from rq.command import send_kill_horse_command, send_shutdown_command
 
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.cancels_in_phase import cancel_in
-from tests.helpers import make_renderer, records
-from tests.workers import WorkerProcess, paced, slow_manifests, wait_until
-from worker.queue import make_worker
+from tests.fixtures.gate import Gate
+from tests.helpers import make_renderer, make_worker, records
+from tests.workers import WorkerProcess, gated, slow_manifests, wait_until
 
 
 def test_no_client_command_stops_a_worker(
@@ -26,11 +26,12 @@ def test_no_client_command_stops_a_worker(
     manifests = slow_manifests(tmp_path / "manifests")
     env = {**kiln_env, "KILN_MANIFESTS": str(manifests)}
     client = KilnClient(connection=redis_conn, manifests_dir=manifests)
-    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", fake=paced(0.2))
+    gate = Gate(tmp_path / "gate")  # the job waits there, running, while the messages land
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", fake=gated(gate))
     try:
         worker.wait_ready(redis_conn)
         running = client.submit({"model": "tiny-sd15", "prompt": "x", "steps": 40, "seed": 1})
-        wait_until(lambda: running.status() == "started", 60, "the job to start")
+        wait_until(lambda: gate.held() == [running.id], 60, "the job to start")
         channel = f"rq:pubsub:{worker.name}"
         send_shutdown_command(redis_conn, worker.name)
         send_kill_horse_command(redis_conn, worker.name)
@@ -40,9 +41,13 @@ def test_no_client_command_stops_a_worker(
         wait_until(lambda: worker.output().count("ignored") >= 5, 30, "the five messages logged")
         assert worker.proc.poll() is None, worker.output()
         assert running.status() == "started"
-        # The listener lives on: a real cancel still stops the running job within a second.
+        # The listener lives on: a real cancel still stops the running job within a second, at
+        # its next step once the gate lets it take one (left alone, it would run to its end).
         cancelled_at = time.monotonic()
         running.cancel()
+        taken = f"stop-job command for job {running.id}"
+        wait_until(lambda: taken in worker.output(), 5, "the worker to take the stop-job")
+        gate.open()
         wait_until(lambda: running.status() == "stopped", 30, "the cancel to stop the job")
         assert time.monotonic() - cancelled_at < 5
         assert worker.proc.poll() is None

@@ -11,10 +11,10 @@ from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
 from worker.errors import CompileRequired
-from worker.faults import FaultPlan
-from worker.loading import load_pipeline
 from worker.manifest import load_manifests
-from worker.resident import LoadedPipeline
+from worker.memory.faults import FaultPlan
+from worker.pipelines.loading import load_pipeline
+from worker.pipelines.resident import LoadedPipeline
 from worker.settings import Settings
 
 MODEL = "tiny-sd15"
@@ -22,7 +22,7 @@ MODEL = "tiny-sd15"
 
 def load(settings: Settings, rung: str = "full", **manifest: Any) -> LoadedPipeline:
     base = load_manifests(settings.manifests, [MODEL])[MODEL]
-    from worker.device import probe
+    from worker.memory.device import probe
 
     return load_pipeline(
         base.model_copy(update=manifest), rung, probe(settings), settings, FaultPlan()
@@ -63,7 +63,7 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
     redis_conn: Redis, make_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fake: a torch.compile backend that refuses every graph, as a broken Inductor would."""
-    import worker.compile
+    import worker.pipelines.compile
 
     def broken_backend(gm: Any, inputs: Any) -> Any:
         raise RuntimeError("injected compiler failure")
@@ -75,7 +75,7 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
         denoiser.time_embedding.compile(backend=broken_backend)  # type: ignore[operator]
         return "test: time_embedding with a broken backend"
 
-    monkeypatch.setattr(worker.compile, "compile_denoiser", compile_with_broken_backend)
+    monkeypatch.setattr(worker.pipelines.compile, "compile_denoiser", compile_with_broken_backend)
     settings = make_settings(compile="on")
     handle = client_for(redis_conn, settings).submit({"model": MODEL, "prompt": "c", "steps": 2})
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
@@ -137,7 +137,7 @@ def test_compile_method_picks_regional_or_whole(
 def test_regional_without_repeated_blocks_falls_back_naming_the_class(make_settings: Any) -> None:
     settings = make_settings(compile="on")
     base = load_manifests(settings.manifests, ["tiny-sd3"])["tiny-sd3"]
-    from worker.device import probe
+    from worker.memory.device import probe
 
     loaded = load_pipeline(
         base.model_copy(update={"compile_method": "regional"}),

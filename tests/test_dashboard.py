@@ -117,8 +117,10 @@ def test_every_dashboard_expression_names_what_a_live_worker_exports(
 
 
 def test_the_dashboard_shows_every_kiln_metric() -> None:
-    """A metric added to worker/metrics.py without a panel fails here."""
-    declared = set(re.findall(r'"(kiln_[a-z_]+)"', (ROOT / "worker" / "metrics.py").read_text()))
+    """A metric added to worker/queue/metrics.py without a panel fails here."""
+    declared = set(
+        re.findall(r'"(kiln_[a-z_]+)"', (ROOT / "worker" / "queue" / "metrics.py").read_text())
+    )
     read = {
         re.sub(r"_(bucket|sum|count)$", "", metric)
         for _, query in dashboard_queries()
@@ -177,9 +179,9 @@ def test_recompile_causes_become_a_fixed_set_of_labels() -> None:
 
     from api_client.manifest import load_manifest_file
     from api_client.schema import SettingsReport
-    from worker.metrics import cause_category, observe
-    from worker.resident import LoadedPipeline
-    from worker.timings import TimingRecord
+    from worker.pipelines.resident import LoadedPipeline
+    from worker.queue.metrics import cause_category, observe
+    from worker.render.timings import TimingRecord
 
     def novelty(**seen: Any) -> str:
         """The cause a warm pipeline that saw one 128 px txt2img job with CFG (and, given

@@ -14,7 +14,7 @@ from api_client import RenderFailed
 from api_client.schema import RenderResult
 from tests.conftest import kiln
 from tests.helpers import burst, client_for, make_renderer, records
-from worker.timings import TimingRecord
+from worker.render.timings import TimingRecord
 
 MODEL = "tiny-sd15"
 STEPS = 6
@@ -77,6 +77,15 @@ def test_decode_oom_twice_decodes_one_rung_lower_without_denoising_again(
         f"decode retried tiled and sliced one rung lower, at partial; {KEPT}"
     )
     assert record.steps_denoised == ONE_DENOISE[model] and record.rung == "partial"
+    # The record names the pipeline that decoded, as the result (built from it) does: partial's
+    # settings (its VAE tiling and the block split), not full's that the denoise ran on.
+    assert (record.dtype, record.compiled, record.quantized) == (
+        result.dtype,
+        result.compiled,
+        result.quantized,
+    )
+    assert record.settings == result.settings
+    assert any(note.name == "partial" for note in result.settings.applied), result.settings
 
 
 def test_decode_oom_at_both_rungs_fails_naming_model_and_rung(
@@ -112,7 +121,7 @@ def test_the_count_sees_a_denoise_run_twice(
 ) -> None:
     """The counter the tests above hold to STEPS: an OOM at the last denoise step re-runs the
     whole try (the generating rule), and the record counts both runs' steps."""
-    from worker.job import RQJobContext
+    from worker.queue.job import RQJobContext
 
     progress = RQJobContext.progress
     fired: list[int] = []

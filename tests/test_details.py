@@ -19,9 +19,9 @@ from redis import Redis
 
 from api_client.schema import OutputFormat
 from tests.helpers import burst, client_for, make_renderer, records
-from worker import output
-from worker.details import ImageDetails, kiln_version, parse_details, read_details
 from worker.errors import CannotReplay
+from worker.files import output
+from worker.files.details import ImageDetails, kiln_version, parse_details, read_details
 
 MODEL = "tiny-sd15"
 FORMATS: list[OutputFormat] = ["png", "webp", "jpeg"]

@@ -19,7 +19,7 @@ from api_client.manifest import Manifest, load_manifest_file
 from tests.conftest import MANIFESTS
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from tests.test_modes import mask_png, pixels, png
-from worker.families import check_installed, spec_for
+from worker.pipelines.families import check_installed, spec_for
 
 KONTEXT = "tiny-flux-kontext"
 BASE: dict[str, Any] = {"model": KONTEXT, "prompt": "make the fox red", "steps": 2, "seed": 3}

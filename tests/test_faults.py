@@ -14,25 +14,32 @@ from redis import Redis
 
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.failing_disk import fails_writing
+from tests.fixtures.gate import hold_here
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.workers import SLOW_MODEL, pace_here, slow_manifests
-from worker import output
-from worker.context import LocalContext
+from tests.workers import SLOW_MODEL, slow_manifests
 from worker.errors import JobDeadlineExceeded, OutputError, StoreUnavailable
+from worker.files import output
+from worker.render.context import LocalContext
 
 
 def test_a_job_past_kiln_job_timeout_s_fails_and_the_next_one_runs(
     redis_conn: Redis, make_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pace_here(monkeypatch, 0.2)  # 50 steps take 10 s or more on any machine
+    hold_here(monkeypatch, lambda step: False)  # at denoise step 2 until the timeout ends it
     settings = make_settings(manifests=slow_manifests(tmp_path / "manifests"), job_timeout_s=3)
-    renderer = make_renderer(settings, [SLOW_MODEL])
+    # The quick job is a 128 px tiny-sd15 one (a 256 px tiny-slow step is ~16x that): under a
+    # loaded CI machine one 256 px step came within the 3 s and failed the quick job too.
+    models = [SLOW_MODEL, "tiny-sd15"]
+    renderer = make_renderer(settings, models)
     # Load before the clock starts, so the timeout lands in the denoise loop, not in the load.
-    renderer.render({"model": SLOW_MODEL, "prompt": "warm", "steps": 1}, LocalContext("warm-up"))
+    for model in models:
+        renderer.render(
+            {"model": model, "prompt": "warm", "steps": 1}, LocalContext(f"warm-{model}")
+        )
     client = KilnClient(connection=redis_conn, manifests_dir=settings.manifests)
     slow = client.submit({"model": SLOW_MODEL, "prompt": "too long", "steps": 50})  # asks for 600 s
-    quick = client.submit({"model": SLOW_MODEL, "prompt": "quick", "steps": 1})
-    burst(redis_conn, renderer, [SLOW_MODEL])
+    quick = client.submit({"model": "tiny-sd15", "prompt": "quick", "steps": 1})
+    burst(redis_conn, renderer, models)
 
     with pytest.raises(RenderFailed, match="ran past its timeout of 3 s") as caught:
         slow.wait(timeout=1)
@@ -121,7 +128,7 @@ def test_a_timeout_inside_a_guarded_step_still_ends_the_job(
 ) -> None:
     """Previews (like compile fallbacks) catch Exception so they never fail a job; the job
     timeout must pass through them, or the job would run on unbounded."""
-    import worker.generate as generate_module
+    import worker.render.generate as generate_module
 
     def stuck_preview(*_args: Any) -> None:
         time.sleep(30)  # the 2 s timeout lands in here

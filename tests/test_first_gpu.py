@@ -18,14 +18,14 @@ from redis import Redis
 from api_client import RequestRejected
 from api_client.manifest import Manifest
 from tests.helpers import client_for, make_renderer, records
-from worker import device as dev
-from worker.context import LocalContext
-from worker.device import DeviceInfo, simulate
 from worker.errors import OtherRequest
-from worker.faults import FaultPlan
-from worker.loading import choose_dtype, load_pipeline
 from worker.manifest import load_manifests
-from worker.render import Renderer
+from worker.memory import device as dev
+from worker.memory.device import DeviceInfo, simulate
+from worker.memory.faults import FaultPlan
+from worker.pipelines.loading import choose_dtype, load_pipeline
+from worker.render.context import LocalContext
+from worker.render.renderer import Renderer
 
 CPU = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
 
@@ -115,16 +115,16 @@ def test_fp16_sdxl_vae_is_fp32_before_group_offload_places_it(
     """Streamed group offload pins host copies of each weight at placement and re-reads them
     at every onload: a VAE upcast at decode time is undone by the next onload. The VAE must be
     fp32 already when placement takes those copies, and decode must not upcast again."""
-    import worker.loading
+    import worker.pipelines.loading
 
     dtypes_at_placement: list[torch.dtype] = []
-    place = worker.loading._place
+    place = worker.pipelines.loading._place
 
     def spy(loaded: Any, info: Any) -> None:
         dtypes_at_placement.append(next(loaded.pipe.vae.parameters()).dtype)
         place(loaded, info)
 
-    monkeypatch.setattr(worker.loading, "_place", spy)
+    monkeypatch.setattr(worker.pipelines.loading, "_place", spy)
     settings = make_settings(device_profile="t4", memory_mode="group_offload")
     renderer = make_renderer(settings, ["tiny-sdxl"])
     loaded = renderer.cache.get("tiny-sdxl")
@@ -151,24 +151,26 @@ def test_fp16_sdxl_vae_is_fp32_before_group_offload_places_it(
 # -- torchao -------------------------------------------------------------------------------------
 
 
-def test_int8_leaves_inductors_global_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_leaves_inductors_global_settings_alone() -> None:
     import torch._inductor.config as inductor
 
-    from worker.quantize import quantize_component
+    from worker.pipelines.quantize import quantize_component
 
-    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor, "force_fuse_int_mm_with_mul", False)
-    layer = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    assert quantize_component(layer, "int8") is None
-    assert type(layer[0].weight).__name__ == "Int8Tensor"
-    assert inductor.coordinate_descent_tuning is False
-    assert inductor.force_fuse_int_mm_with_mul is False
+    # inductor's own patch, not monkeypatch: monkeypatch's undo deletes the option from
+    # inductor's config module, and every later compile in this process then fails.
+    with inductor.patch(coordinate_descent_tuning=False, force_fuse_int_mm_with_mul=False):
+        layer = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        assert quantize_component(layer, "int8") is None
+        assert type(layer[0].weight).__name__ == "Int8Tensor"
+        assert inductor.coordinate_descent_tuning is False
+        assert inductor.force_fuse_int_mm_with_mul is False
+    assert hasattr(inductor, "coordinate_descent_tuning")
 
 
 def test_doctor_tries_each_scheme_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
     """An H100 may run int4, but only with a kernel package; doctor says what a real try gave."""
-    import worker.doctor
-    from worker.quantize import try_scheme
+    import worker.ops.doctor
+    from worker.pipelines.quantize import try_scheme
 
     assert try_scheme("int8", "cpu") is None  # a real quantize and forward on this CPU
     tried: list[tuple[str, str]] = []
@@ -177,12 +179,12 @@ def test_doctor_tries_each_scheme_for_real(monkeypatch: pytest.MonkeyPatch) -> N
         tried.append((scheme, device))
         return "ImportError: Requires mslk >= 1.0.0" if scheme == "int4" else None
 
-    monkeypatch.setattr(worker.doctor, "try_scheme", fake_try)
-    verdicts = worker.doctor._torchao(simulate("h100", CPU))
+    monkeypatch.setattr(worker.ops.doctor, "try_scheme", fake_try)
+    verdicts = worker.ops.doctor._torchao(simulate("h100", CPU))
     assert verdicts["int4"] == "fails on cpu (ImportError: Requires mslk >= 1.0.0)"
     assert verdicts["int8"].startswith("ok (quantized and ran a linear layer on cpu")
     assert ("float8", "cpu") in tried  # the card allows float8; the real device is asked too
-    t4 = worker.doctor._torchao(simulate("t4", CPU))
+    t4 = worker.ops.doctor._torchao(simulate("t4", CPU))
     assert t4["float8"].startswith("skipped (float8 needs fp8 math (compute capability 8.9+")
 
 
@@ -246,7 +248,7 @@ def test_alternating_sizes_with_different_rungs_load_at_most_twice(settings: Any
 
 def test_a_remembered_rung_goes_back_up_after_clean_jobs(settings: Any) -> None:
     renderer = make_renderer(settings, ["tiny-sd15"])
-    renderer.rungs.forget_after = 2
+    renderer.planner.rungs.forget_after = 2
     pushed_down_at_b(renderer)
     assert [job(renderer, B, n).rung for n in (2, 3)] == ["partial", "partial"]
     back = job(renderer, A, 4)  # B's ceiling is forgotten: nothing holds the model down

@@ -1,5 +1,5 @@
-"""`kiln submit --wait` (worker/display.py follow_job) follows the job's event stream as the worker
-writes it: progress from the events, the result from the done event, a failure's message from
+"""`kiln submit --wait` (worker/ops/display.py follow_job) follows the job's event stream as the
+worker writes it: progress from the events, the result from the done event, a failure's message from
 the job's record; it never polls job.progress()."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from redis import Redis
 from api_client import KilnJob, RenderFailed
 from api_client.errors import JobTimeout
 from api_client.events import BLOCK_SLICE_S
+from tests.fixtures.gate import hold_here
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
-from tests.workers import pace_here
-from worker.display import follow_job
+from worker.ops.display import follow_job
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 8, "seed": 2}
 
@@ -56,7 +56,8 @@ def test_wait_shows_progress_from_the_events_and_returns_the_done_events_result(
 
     follower = threading.Thread(target=follow)
     follower.start()
-    pace_here(monkeypatch, 0.3)  # 8 steps (2.4 s) outlast two progress intervals (1 s each)
+    # The job waits at denoise steps 2 and 5 until the follower has shown each.
+    hold_here(monkeypatch, lambda step: ("denoise", step, 8) in shown, at=(2, 5))
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     follower.join(timeout=30)
     assert not follower.is_alive() and "error" not in outcome, outcome

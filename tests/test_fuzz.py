@@ -17,7 +17,7 @@ from redis import Redis
 from api_client import KilnClient, RenderFailed, RenderRequest, RequestRejected
 from tests.conftest import MANIFESTS
 from tests.helpers import burst, enqueue_raw, make_renderer
-from worker.render import Renderer
+from worker.render.renderer import Renderer
 from worker.settings import Settings
 
 MODEL = "tiny-sd15"
@@ -194,7 +194,9 @@ def renderer_for_fuzz(
     # A request may pin compile on, which the client lets through: Inductor on this CPU would
     # take minutes a draw, so the fuzz's worker compiles with a fake that changes nothing.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("worker.compile.compile_denoiser", lambda *_args: "fake compile (fuzz)")
+        patch.setattr(
+            "worker.pipelines.compile.compile_denoiser", lambda *_args: "fake compile (fuzz)"
+        )
         yield _fuzz_renderer(tmp_path_factory, tiny_dir, redis_url)
 
 

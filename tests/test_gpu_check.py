@@ -18,7 +18,7 @@ from api_client.schema import RUNGS  # every rung, partial included
 from tests.conftest import ROOT
 
 FAMILIES = ("flux", "qwenimage", "sd15", "sdxl", "sd3")
-# worker.quantize.unsupported_reason on a CPU
+# worker.pipelines.quantize.unsupported_reason on a CPU
 NO_FLOAT8 = "float8 needs a CUDA or ROCm device (torchao kernels); this is cpu"
 
 
@@ -36,6 +36,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads((out / "gpu_check.json").read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_passes_on_cpu(dry_run: tuple[dict, str]) -> None:
     report, stdout = dry_run
     assert report["dry_run"] and report["finished"] and not report["failures"]
@@ -44,6 +45,7 @@ def test_dry_run_passes_on_cpu(dry_run: tuple[dict, str]) -> None:
     assert report["profile"] == {"skipped": "no GPU: nothing to compare a profile with"}
 
 
+@pytest.mark.slow
 def test_every_family_renders_at_every_rung(dry_run: tuple[dict, str]) -> None:
     report, _ = dry_run
     cases = {(row["case"].split("@")[0], row["rung"]) for row in report["rungs"]}
@@ -53,6 +55,7 @@ def test_every_family_renders_at_every_rung(dry_run: tuple[dict, str]) -> None:
         assert row["claimed_gb"] > 0 and row["denoiser"]["weight_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_new_families_plan_with_their_published_manifests(dry_run: tuple[dict, str]) -> None:
     from api_client.manifest import load_manifest_file
 
@@ -68,6 +71,7 @@ def test_new_families_plan_with_their_published_manifests(dry_run: tuple[dict, s
         assert full["claimed_gb"] == published.min_vram_gb
 
 
+@pytest.mark.slow
 def test_float8_is_skipped_on_cpu_and_int8_shrinks_the_transformers(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -84,6 +88,7 @@ def test_float8_is_skipped_on_cpu_and_int8_shrinks_the_transformers(
         assert int8["weight_bytes"] < base["weight_bytes"] and int8["warm_denoise_s"] > 0
 
 
+@pytest.mark.slow
 def test_compile_sections_are_skipped_in_a_dry_run(dry_run: tuple[dict, str]) -> None:
     report, _ = dry_run
     assert report["compile"] == [] and report["compile_methods"] == []
@@ -94,6 +99,7 @@ def test_compile_sections_are_skipped_in_a_dry_run(dry_run: tuple[dict, str]) ->
     }
 
 
+@pytest.mark.slow
 def test_sd_text_encoders_shrink_in_int8_and_the_ladder_survives_oom(
     dry_run: tuple[dict, str],
 ) -> None:

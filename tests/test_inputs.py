@@ -11,7 +11,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,10 @@ from api_client.inputs import (
 )
 from tests.conftest import ROOT
 from tests.s3server import BUCKET, MotoServer
-from worker.inputs import InputUnavailable, check_mask_size, load_input, read_input
-from worker.store import LocalStore, open_store
+from tests.workers import wait_until
+from worker.files.local import LocalStore
+from worker.files.store import open_store
+from worker.render.inputs import InputUnavailable, check_mask_size, load_input, read_input
 
 SSRF_AND_PATHS = [
     ("http://169.254.169.254/latest/meta-data/", "server-side request forgery"),
@@ -134,7 +135,7 @@ def test_an_expired_or_never_uploaded_input_is_named_with_the_ttl_setting(
     uri = upload(redis_conn, image_bytes("PNG"))
     sha = uri.removeprefix("kiln-input:")
     redis_conn.pexpire(keys.input_key(sha), 1)
-    time.sleep(0.05)
+    wait_until(lambda: not redis_conn.exists(keys.input_key(sha)), 5, "the input to expire")
     with pytest.raises(InputUnavailable) as caught:
         read_input(uri, redis_conn, store, ttl_s=600)
     message = str(caught.value)

@@ -9,12 +9,18 @@ import pytest
 from redis import Redis
 
 from api_client import RenderFailed
-from api_client.schema import RUNGS, RenderResult
+from api_client.resolve import resolve_request
+from api_client.schema import RUNGS, RenderRequest, RenderResult
 from tests.helpers import burst, client_for, make_renderer, records
 from worker.errors import InvalidFaults, device_lost
-from worker.faults import FaultPlan
-from worker.ladder import GB, is_oom, pick_rung, usable_gb
-from worker.render import Renderer
+from worker.manifest import load_manifests
+from worker.memory.device import probe
+from worker.memory.faults import FaultPlan
+from worker.memory.ladder import GB, RungMemory, is_oom, pick_rung, usable_gb
+from worker.memory.peaks import Peak, PeakBook, Shape
+from worker.pipelines.resident import PipelineCache
+from worker.render.placement import Planner
+from worker.render.renderer import Renderer
 
 MODEL = "tiny-sd15"
 JOB = {"model": MODEL, "prompt": "a ladder", "steps": 2, "seed": 3}
@@ -234,6 +240,25 @@ def test_pick_rung_and_usable_memory_rules() -> None:
     assert usable_gb(int(8 * GB), int(4 * GB), 1.0, 6.0, int(4 * GB)) == pytest.approx(6.0)
     # A resident pipeline kiln keeps counts against the budget.
     assert usable_gb(int(8 * GB), 0, 1.0, 6.0, int(4 * GB)) == pytest.approx(2.0)
+
+
+def test_a_planner_plans_with_what_it_is_handed_and_no_renderer(make_settings: Any) -> None:
+    """The renderer's Planner stands alone: the settings, the served manifests, the device, a
+    pipeline cache, the rung memory and a peak book (here one without Redis) are all it needs."""
+    settings = make_settings(vram_budget_gb=1.0)
+    manifests = load_manifests(settings.manifests, [MODEL])
+    info = probe(settings)
+    book = PeakBook(None, "a card of this test's own")
+    planner = Planner(settings, manifests, info, PipelineCache(info, 0), RungMemory(), book)
+    pinned = RenderRequest.parse({**JOB, "rung": "model_offload"})
+    choice = planner.choose_rung(manifests[MODEL], resolve_request(pinned, manifests[MODEL]))
+    assert choice.rung == "model_offload" and choice.reason.startswith("pinned by the request")
+    assert planner.cannot_fit() is None  # nothing measured: the manifest's estimate is tried
+    need = Peak(resident_bytes=0, working_bytes=5 * GB, weights_bytes=GB, largest_bytes=GB)
+    book.observe(Shape(MODEL, 128, 128, "fp32", (), "txt2img"), "group_offload", need)
+    why = planner.cannot_fit()
+    assert why is not None and why.startswith("waiting for memory:") and f"{MODEL} needs" in why
+    assert planner.peaks is book
 
 
 def test_fault_specs_parse_and_reject_with_the_rule() -> None:

@@ -1,6 +1,6 @@
-"""Priority lanes (worker/lanes.py): a request's priority picks its model's queue, kiln:<model>
-or kiln:<model>:batch; a worker takes interactive jobs first and at least one batch job in
-every BATCH_EVERY while batch jobs wait; ETAs, `kiln models` and cancel know both lanes."""
+"""Priority lanes (worker/queue/lanes.py): a request's priority picks its model's queue,
+kiln:<model> or kiln:<model>:batch; a worker takes interactive jobs first and at least one batch
+job in every BATCH_EVERY while batch jobs wait; ETAs, `kiln models` and cancel know both lanes."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from api_client import RequestRejected, keys
 from api_client.eta import taken_first
 from api_client.schema import RenderRequest, TimingFit, request_digest, request_payload
 from tests.conftest import kiln
+from tests.fixtures.gate import hold_here
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.workers import pace_here, wait_until
-from worker.lanes import BATCH_EVERY, LaneOrder, worker_queues
+from tests.workers import wait_until
 from worker.manifest import load_manifests, publish_manifests
+from worker.queue.lanes import BATCH_EVERY, LaneOrder, worker_queues
 
 MODEL = "tiny-sd15"
 JOB = {"model": MODEL, "prompt": "a lane", "steps": 2}
@@ -127,7 +128,7 @@ def test_a_late_interactive_job_overtakes_queued_batch_jobs(
         wait_until(lambda: client.job(batch[0]).status() == "started", 120, "batch to start")
         late.append(client.submit({**JOB, "seed": 99}).id)
 
-    pace_here(monkeypatch, 0.5)  # each job renders long enough for the late submit to land
+    hold_here(monkeypatch, lambda step: bool(late), at=1)  # until the late submit has landed
     submitter = threading.Thread(target=submit_late)
     submitter.start()
     burst(redis_conn, make_renderer(settings, [MODEL]), [MODEL])

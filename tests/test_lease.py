@@ -2,7 +2,8 @@
 processes on real Redis: a worker stalled past its lease stops that render and writes nothing
 over the worker that took the job over; a Redis outage longer than a lease re-queues nothing.
 The workers hold LEASE_S leases, half of KilnWorker's 10 s, so the drills' stall and outage are
-halved too (tests/fixtures/paced_worker.py)."""
+halved too (tests/fixtures/gated_worker.py); each job waits at a gate, mid-denoise, until the
+drill is over."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import pytest
 from redis import Redis
 
 from api_client import KilnClient, KilnJob
+from tests.fixtures.gate import Gate
 from tests.helpers import records
 from tests.workers import (
     RedisServer,
     WorkerProcess,
-    paced,
+    gated,
     slow_manifests,
     wait_until,
 )
@@ -43,6 +45,7 @@ def step_of(job: KilnJob) -> int:
     return progress.step if progress is not None and progress.phase == "denoise" else 0
 
 
+@pytest.mark.slow
 def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
     redis_conn: Redis, kiln_env: dict[str, str], slow_dir: Path, settings: Any, tmp_path: Path
 ) -> None:
@@ -51,9 +54,10 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
     when the first wakes it stops that render, writes nothing, and says why in its record."""
     env = {**kiln_env, "KILN_MANIFESTS": str(slow_dir)}
     client = KilnClient(connection=redis_conn, manifests_dir=slow_dir)
+    gate = Gate(tmp_path / "gate")  # both workers': the job waits at it on either
     workers = [
         WorkerProcess(
-            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.3, LEASE_S)
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=gated(gate, LEASE_S)
         )
         for i in range(2)
     ]
@@ -61,15 +65,18 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
         for proc in workers:
             proc.wait_ready(redis_conn)
         job = client.submit({"model": "tiny-sd15", "prompt": "stall", "steps": 30, "seed": 11})
-        wait_until(lambda: step_of(job) >= 2, 90, "the job to be denoising")
+        wait_until(lambda: gate.held() == [job.id] and step_of(job) >= 2, 90, "the job at its gate")
         first = next(p for p in workers if p.name == worker_of(redis_conn, job))
         second = next(p for p in workers if p is not first)
         first.signal(signal.SIGSTOP)
         try:
             wait_until(lambda: worker_of(redis_conn, job) == second.name, 40, "a takeover")
             time.sleep(LEASE_S)  # the drill's stall: twice the lease in all (not a sync)
+            # The second worker holds it mid-denoise too (a longer stall, if it is slow to).
+            wait_until(lambda: gate.held() == [job.id, job.id], 60, "the second at the gate")
         finally:
             first.signal(signal.SIGCONT)
+        gate.open()  # both renders go on: the second's to its end, the first's to its stop
         done = job.wait(timeout=120)
         assert done.worker == second.name
         # The woken worker notices at its next beat or step; its record says so.
@@ -105,6 +112,7 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
             proc.stop()
 
 
+@pytest.mark.slow
 def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
     kiln_env: dict[str, str], slow_dir: Path, settings: Any, tmp_path: Path
 ) -> None:
@@ -116,9 +124,10 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
     url = f"redis://127.0.0.1:{server.port}/0"
     conn = Redis.from_url(url)
     env = {**kiln_env, "KILN_MANIFESTS": str(slow_dir), "KILN_REDIS_URL": url}
+    gate = Gate(tmp_path / "gate")  # each job waits at it, mid-denoise, through the outage
     workers = [
         WorkerProcess(
-            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=paced(0.4, LEASE_S)
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=gated(gate, LEASE_S)
         )
         for i in range(2)
     ]
@@ -130,12 +139,20 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
             client.submit({"model": "tiny-sd15", "prompt": f"p{i}", "steps": 40, "seed": i})
             for i in range(2)
         ]
-        wait_until(lambda: all(step_of(j) >= 2 for j in jobs), 90, "both jobs denoising")
+        wait_until(
+            lambda: (
+                sorted(gate.held()) == sorted(j.id for j in jobs)
+                and all(step_of(j) >= 2 for j in jobs)
+            ),
+            90,
+            "both jobs at the gate",
+        )
         owners = {j.id: worker_of(conn, j) for j in jobs}
         assert set(owners.values()) == {p.name for p in workers}
         server.kill()
         time.sleep(LEASE_S * 1.5)  # the outage under test
         server.start()
+        gate.open()
         conn = Redis.from_url(url)
         for job in jobs:
             result = KilnJob(job.id, conn).wait(timeout=180)

@@ -24,20 +24,23 @@ from structlog.testing import capture_logs
 
 from api_client import KilnClient, KilnJob
 from tests.conftest import ROOT
-from tests.workers import RedisServer, WorkerProcess, free_port, paced, wait_until
-from worker.pulse import RedisWatch, WatchedRetry, watch_connection
+from tests.fixtures.gate import Gate
+from tests.workers import RedisServer, WorkerProcess, free_port, gated, wait_until
+from worker.queue.pulse import RedisWatch, WatchedRetry, watch_connection
 
 OUTAGE_S = 4.0
 
 
 class SplitWorker(WorkerProcess):
-    """A paced `kiln worker` with stdout and stderr in two files: merged, a line from one
-    stream could land inside a line of the other and neither would parse."""
+    """A gated `kiln worker` (a job of more than 2 steps waits at self.gate) with stdout and
+    stderr in two files: merged, a line from one stream could land inside a line of the other
+    and neither would parse."""
 
     def __init__(self, env: dict[str, str], directory: Path, *args: str) -> None:
         self.log, self.err = directory / "stdout.log", directory / "stderr.log"
         self.name = f"test-worker-{time.monotonic_ns()}"
-        fake = paced(0.4)
+        self.gate = Gate(directory / "gate")
+        fake = gated(self.gate)
         with open(self.log, "ab") as out, open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", fake.module, "worker", "--name", self.name, *args],
@@ -99,8 +102,12 @@ def test_every_line_of_a_json_worker_is_json_through_a_warm_shutdown(
         worker.wait_ready(redis_conn)
         client = KilnClient(connection=redis_conn, manifests_dir=settings.manifests)
         job = client.submit({"model": "tiny-sd15", "prompt": "json lines", "steps": 8, "seed": 2})
-        wait_until(lambda: denoising(job), 120, "the job to start denoising")
+        wait_until(
+            lambda: worker.gate.held() == [job.id] and denoising(job), 120, "the job at the gate"
+        )
         worker.signal(signal.SIGTERM)
+        wait_until(lambda: "warm shutdown requested" in worker.output(), 30, "the SIGTERM")
+        worker.gate.open()
         assert worker.wait(timeout=120) == 0, worker.output()
         assert job.wait(timeout=1).steps == 8  # the warm shutdown finished it
     finally:
@@ -109,7 +116,7 @@ def test_every_line_of_a_json_worker_is_json_through_a_warm_shutdown(
     assert lines, "the worker wrote nothing"
     assert not_json(lines) == [], "\n".join(not_json(lines))
     [warm] = [e for e in worker.events() if "warm shutdown requested" in str(e.get("event"))]
-    assert warm["level"] == "warning" and warm["logger"] == "worker.queue", warm
+    assert warm["level"] == "warning" and warm["logger"] == "worker.queue.worker", warm
     assert "timestamp" in warm
     names = [e.get("event") for e in worker.events()]
     assert "worker_started" in names and "job_timing" in names, names
@@ -222,3 +229,35 @@ def test_a_redis_outage_leaves_one_lost_and_one_regained_line(
     # Regained is noticed at the next retry after Redis answers (redis-py backs off up to 2 s).
     assert outage_s - 1.0 <= regained["down_s"] <= outage_s + 4.0, (regained, outage_s)
     assert not_json(worker.lines()) == []
+
+
+def test_a_worker_whose_redis_is_down_at_start_says_so_before_loading_anything(
+    kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Redis is the worker's first contact: an unreachable one is logged (redis_lost) at the
+    first failed try, before the imports and weights that take seconds, and then retried."""
+    env = {**kiln_env, "KILN_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--models", "tiny-sd15", "--burst"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("{") and json.loads(line).get("event") == "redis_lost":
+                lost = json.loads(line)
+                break
+        else:
+            raise AssertionError("the worker ended without saying Redis was lost")
+        took = time.monotonic() - started
+        assert "Connection refused" in lost["error"] or "Error 111" in lost["error"], lost
+        assert proc.poll() is None  # still retrying, not given up
+        assert took < 20, took  # an interpreter start and the settings, nothing heavier
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

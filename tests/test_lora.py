@@ -21,10 +21,10 @@ from api_client.schema import LoraChoice
 from tests.conftest import kiln
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.test_modes import pixels
-from worker.adapters import AdapterRefused, AdapterSlots
-from worker.details import read_details
+from worker.files.details import read_details
 from worker.manifest import load_manifests
-from worker.tiny.lora import TINY_LORAS, WEIGHT_NAME
+from worker.pipelines.adapters import AdapterRefused, AdapterSlots
+from worker.pipelines.tiny.lora import TINY_LORAS, WEIGHT_NAME
 
 FAMILIES = ["sd15", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
 
@@ -217,7 +217,7 @@ def test_alternating_adapters_on_a_compiled_model_recompiles_nothing(
 
 def test_a_pull_fetches_a_hub_adapter_file_and_skips_a_local_one(settings: Any) -> None:
     from api_client.loras import LoraSpec
-    from worker.pull import fetches
+    from worker.pipelines.pull import fetches
 
     flux = load_manifests(settings.manifests, ["flux1-dev"])["flux1-dev"]
     hub = LoraSpec(source="someone/flux-detail", weight_name="detail.safetensors", max_rank=16)

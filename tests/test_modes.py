@@ -147,8 +147,8 @@ def test_a_backend_with_only_the_client_submits_inputs_and_loras_against_s3(
 ) -> None:
     """#17's done-means: another process, Redis only, uploads and submits img2img, inpaint and
     a LoRA job; the worker's store is S3 (a real S3-compatible server over the network)."""
+    from tests.helpers import make_worker
     from tests.s3server import BUCKET
-    from worker.queue import make_worker
 
     settings = make_settings(**s3.store_settings())
     worker = make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])

@@ -13,12 +13,12 @@ from redis import Redis
 from api_client import RenderFailed
 from api_client.schema import RenderResult
 from tests.helpers import burst, client_for, make_renderer, records
-from worker import peaks
-from worker.device import probe
-from worker.ladder import GB
-from worker.partial import MARGIN, denoiser_blocks, module_bytes, plan_split
-from worker.render import Renderer
-from worker.timings import TimingRecord
+from worker.memory import peaks
+from worker.memory.device import probe
+from worker.memory.ladder import GB
+from worker.memory.partial import MARGIN, denoiser_blocks, module_bytes, plan_split
+from worker.render.renderer import Renderer
+from worker.render.timings import TimingRecord
 
 MODEL = "tiny-sd15"
 JOB = {"model": MODEL, "prompt": "a partial kiln", "steps": 2, "seed": 5}

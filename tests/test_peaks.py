@@ -12,7 +12,7 @@ from redis import Redis
 
 from tests.conftest import MANIFESTS
 from tests.helpers import burst, client_for, make_renderer, records
-from worker.peaks import GB, KEY, MARGIN, Peak, PeakBook, Shape, needs_from
+from worker.memory.peaks import GB, KEY, MARGIN, Peak, PeakBook, Shape, needs_from
 
 MODEL = "tiny-sd15"
 
@@ -91,7 +91,7 @@ def test_a_model_declared_too_small_descends_once_then_is_placed_right(
 
 
 def test_a_profile_drill_is_kept_apart_from_the_real_card(redis_conn: Redis) -> None:
-    from worker.peaks import card_kind
+    from worker.memory.peaks import card_kind
 
     assert card_kind("NVIDIA H200", None) == "NVIDIA H200"
     assert card_kind("AMD EPYC 7B13", "h200") == "AMD EPYC 7B13 as h200"
@@ -110,7 +110,7 @@ def test_a_profile_drill_is_kept_apart_from_the_real_card(redis_conn: Redis) -> 
 def test_doctor_shows_measured_against_declared_and_flags_a_wrong_manifest(
     redis_conn: Redis, make_settings: Any, tmp_path: Path
 ) -> None:
-    from worker.doctor import collect, format_report
+    from worker.ops.doctor import collect, format_report
 
     directory = manifests_with(tmp_path, min_vram_gb="0.001")  # far too small
     settings = make_settings(manifests=directory)
@@ -137,8 +137,8 @@ def test_a_worker_whose_memory_fits_no_served_model_takes_no_job(
     from api_client.schema import WorkerState
     from tests.conftest import kiln
     from tests.workers import WorkerProcess, free_port, wait_until
-    from worker.device import probe
-    from worker.peaks import card_kind
+    from worker.memory.device import probe
+    from worker.memory.peaks import card_kind
 
     settings = make_settings()
     card = card_kind(probe(settings).name, None)

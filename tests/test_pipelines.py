@@ -13,11 +13,11 @@ import torch
 from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer
-from worker.device import DeviceInfo
-from worker.faults import FaultPlan
-from worker.loading import choose_dtype, load_pipeline
 from worker.manifest import load_manifests
-from worker.quantize import weight_summary
+from worker.memory.device import DeviceInfo
+from worker.memory.faults import FaultPlan
+from worker.pipelines.loading import choose_dtype, load_pipeline
+from worker.pipelines.quantize import weight_summary
 
 CPU = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
 
@@ -122,7 +122,7 @@ def test_eviction_releases_the_pipeline_and_its_memory(
 
 @pytest.mark.parametrize("rung", ["model_offload", "group_offload"])
 def test_offloaded_pipelines_are_released_too(settings: Any, rung: str) -> None:
-    from worker.resident import PipelineCache
+    from worker.pipelines.resident import PipelineCache
 
     manifest = load_manifests(settings.manifests, ["tiny-sd15"])["tiny-sd15"]
     cache = PipelineCache(CPU)
@@ -142,7 +142,7 @@ def test_every_manifest_scheduler_name_builds_a_diffusers_scheduler(tiny_dir: Pa
     import diffusers
 
     from api_client.manifest import Scheduler
-    from worker.loading import SCHEDULERS
+    from worker.pipelines.loading import SCHEDULERS
 
     assert set(get_args(Scheduler)) == set(SCHEDULERS)
     config_file = tiny_dir / "tiny-sd15" / "scheduler" / "scheduler_config.json"

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import MANIFESTS, ROOT, kiln
-from worker.device import probe
-from worker.ladder import Fit, rung_need_gb, usable_gb
 from worker.manifest import load_manifests
-from worker.plan import plan_model
+from worker.memory.device import probe
+from worker.memory.ladder import Fit, rung_need_gb, usable_gb
+from worker.ops.plan import plan_model
 from worker.settings import Settings
 
 ROW = re.compile(r"^\| `([\w.-]+)` \| `(\w+)` \| (\w+) \| (\w+) \| ([^|]+) \| ([\d.]+) GB \|$")

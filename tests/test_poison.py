@@ -8,16 +8,18 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
 from redis import Redis
 
 from api_client import KilnClient, RenderFailed
 from tests.conftest import kiln
-from tests.workers import SLOW_MODEL, WorkerProcess, paced, slow_manifests, wait_until
-from worker import quarantine
-from worker.job import poison_reason
+from tests.fixtures.gate import Gate
+from tests.workers import SLOW_MODEL, WorkerProcess, gated, slow_manifests, wait_until
+from worker.queue import quarantine
+from worker.queue.job import poison_reason
 
-# 1 s a step; a 5 s lease (heartbeat and sweep every 1.25 s): each death is found in seconds.
-PACED = paced(1.0, lease_s=5)
+# A 5 s lease (heartbeat and sweep every 1.25 s): each death is found in seconds.
+LEASE_S = 5
 
 
 def test_the_cause_names_each_death() -> None:
@@ -27,16 +29,20 @@ def test_the_cause_names_each_death() -> None:
     assert poison_reason(apart) == "killed in load on A, then in decode on B"
 
 
+@pytest.mark.slow
 def test_a_job_that_killed_two_workers_is_quarantined_not_run_a_third_time(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
 ) -> None:
     manifests = slow_manifests(tmp_path / "manifests")
     env = {**kiln_env, "KILN_MANIFESTS": str(manifests)}
     client = KilnClient(connection=redis_conn, manifests_dir=manifests)
+    # Every run of the job waits at this gate, mid-denoise, until its worker is killed there.
+    gate = Gate(tmp_path / "gate")
+    fake = gated(gate, lease_s=LEASE_S)
     workers = {
         w.name: w
         for w in (
-            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, fake=PACED)
+            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, fake=fake)
             for i in range(3)
         )
     }
@@ -53,9 +59,9 @@ def test_a_job_that_killed_two_workers_is_quarantined_not_run_a_third_time(
                 name = holder.decode() if holder else None
                 if name in killed or progress is None or progress.phase != "denoise":
                     return None
-                return name
+                return name if gate.held().count(job.id) == len(killed) + 1 else None
 
-            holder = wait_until(denoising_elsewhere, 120, "a live worker denoising the job")
+            holder = wait_until(denoising_elsewhere, 120, "a live worker holding the job")
             workers[holder].signal(signal.SIGKILL)
             workers[holder].wait(timeout=30)
             killed.append(holder)

@@ -18,16 +18,16 @@ from rq import Queue
 
 from api_client import keys
 from api_client.schema import WorkerState
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.helpers import client_for, make_renderer, records, serving_worker
 from tests.test_modes import pixels
-from worker.device import probe
-from worker.faults import FaultPlan
-from worker.lanes import LaneOrder
-from worker.loading import load_pipeline
 from worker.manifest import load_manifests
-from worker.prefetch import read_estimate
-from worker.resident import host_bytes
-from worker.top import render, snapshot
+from worker.memory.device import probe
+from worker.memory.faults import FaultPlan
+from worker.ops.top import render, snapshot
+from worker.pipelines.loading import load_pipeline
+from worker.pipelines.prefetch import read_estimate
+from worker.pipelines.resident import host_bytes
+from worker.queue.lanes import LaneOrder
 
 A, B = "tiny-sd15", "tiny-flux"
 JOB = {"prompt": "a fox", "steps": 2, "seed": 1}
@@ -37,12 +37,12 @@ def queued_then_worked(conn: Redis, settings: Any, models: list[str]) -> tuple[A
     """Every job queued first, then one worker's burst: the next job is in its queues while
     each renders. The renderer, and the records in the order the jobs ran (the lanes take the
     models in turn, the first in name order: tiny-flux before tiny-sd15)."""
-    renderer = make_renderer(settings, sorted(set(models)))
+    worker = serving_worker(conn, settings, sorted(set(models)))
     client = client_for(conn, settings)
     for model in models:
         client.submit({**JOB, "model": model})
-    burst(conn, renderer, sorted(set(models)))
-    return renderer, records(settings.timings_log)
+    worker.work(burst=True)
+    return worker.renderer, records(settings.timings_log)
 
 
 def image_of(conn: Redis, settings: Any, job_id: str) -> Any:
@@ -61,7 +61,7 @@ def test_the_next_jobs_model_is_read_into_ram_while_a_job_renders(
     assert f"while job {got[0].job_id} rendered" in notes["prefetch"]
     assert "prefetch" not in {n.name for n in got[0].settings.applied}
     # On a CPU the read grew the resident set B's peak is taken from: B is not measured, A is.
-    assert {name.split("|")[0] for name in renderer.peaks.peaks} == {A}
+    assert {name.split("|")[0] for name in renderer.planner.peaks.peaks} == {A}
     read_ahead = image_of(redis_conn, settings, got[1].job_id)
 
     # The same jobs with nothing read ahead (no RAM cache): A renders the same pixels from disk.
@@ -109,7 +109,7 @@ def test_a_read_that_would_not_fit_the_ram_cache_is_not_started(
     redis_conn: Redis, make_settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=0.000_01)  # 10 kB
-    caplog.set_level(logging.INFO, logger="worker.prefetch")
+    caplog.set_level(logging.INFO, logger="worker.pipelines.prefetch")
     renderer, got = queued_then_worked(redis_conn, settings, [A, B, A, B])
     assert [r.load_source for r in got] == ["disk"] * 4  # nothing fits 10 kB: not even evictions
     assert renderer.prefetcher.started == 0
@@ -154,7 +154,7 @@ def test_weights_a_read_ahead_cannot_take_cost_a_log_line_and_fail_only_their_jo
     fails, with the error in its own record."""
     models = broken_copy(tiny_dir, tmp_path, damage)
     settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0, models_dir=models)
-    caplog.set_level(logging.INFO, logger="worker.prefetch")
+    caplog.set_level(logging.INFO, logger="worker.pipelines.prefetch")
     renderer, got = queued_then_worked(redis_conn, settings, [B, A, B])
     assert [(r.model, r.status) for r in got] == [(B, "done"), (A, "failed"), (B, "done")]
     assert logged in caplog.text
@@ -190,11 +190,11 @@ def test_the_workers_state_and_kiln_top_show_its_ram_cache_and_read_ahead(
     """What a worker publishes names the models in its RAM cache and the one it reads ahead;
     `kiln top` shows them beside the resident ones."""
     settings = make_settings(prefetch="on", max_resident=1, ram_cache_gb=1.0)
-    renderer = make_renderer(settings, [B, A])
+    worker = serving_worker(redis_conn, settings, [B, A])  # B's lane first: B, then A
     client = client_for(redis_conn, settings)
     for model in (B, A):
         client.submit({**JOB, "model": model})
-    worker = burst(redis_conn, renderer, [B, A])  # B's lane first: B, then A
+    worker.work(burst=True)
     worker.publish_state()  # as its Pulse does every 10 s (the burst's end withdrew it)
     state = WorkerState.model_validate_json(redis_conn.get(keys.worker_key(worker.name)) or b"")
     assert (state.resident, state.ram, state.reading) == ([A], [B], None)

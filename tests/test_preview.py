@@ -8,11 +8,11 @@ from PIL import Image
 from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
-from worker.context import LocalContext
 from worker.manifest import load_manifests
-from worker.render import Renderer
-from worker.switches import preview_steps
-from worker.timings import TimingRecord
+from worker.pipelines.switches import preview_steps
+from worker.render.context import LocalContext
+from worker.render.renderer import Renderer
+from worker.render.timings import TimingRecord
 
 REQUEST = {"model": "tiny-sdxl", "prompt": "a lighthouse", "steps": 8, "seed": 11, "previews": True}
 

@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from tests.conftest import kiln
-from worker.context import LocalContext
-from worker.device import DeviceInfo, probe
-from worker.ladder import pick_rung
-from worker.loading import fit_for
 from worker.manifest import load_manifests
-from worker.plan import plan_model
+from worker.memory.device import DeviceInfo, probe
+from worker.memory.ladder import pick_rung
+from worker.ops.plan import plan_model
+from worker.pipelines.loading import fit_for
 from worker.profiles import GIB, PROFILES, profile_for
-from worker.render import Renderer
-from worker.timings import TimingRecord
+from worker.render.context import LocalContext
+from worker.render.renderer import Renderer
+from worker.render.timings import TimingRecord
 
 CPU_INFO = DeviceInfo("cpu", "cpu", "test cpu", 8 * 2**30, 4 * 2**30, bf16=False, fp16=False)
 # The real model each tiny family stands in for: its memory needs decide the rung.
@@ -49,8 +49,8 @@ LOW_RUNGS = {
     ("qwenimage", "l4"): "model_offload",  # qwen-image: 37.75 GB resident even quantized
     ("qwenimage", "mps"): "model_offload",
     ("zimage", "t4"): "group_offload",
-    # z-image-turbo: 26 GB resident; partial needs 20.8 at its least (ladder.DEFAULT_SHARE of
-    # min_vram_gb), within the L4's 23 GiB free.
+    # z-image-turbo: 26 GB resident; partial needs 20.8 at its least (its row's default_share of
+    # min_vram_gb, worker.memory.rungs), within the L4's 23 GiB free.
     ("zimage", "l4"): "partial",
     ("zimage", "mps"): "partial",
     **{(family, "t4:5"): "group_offload" for family in FAMILIES if family != "sd15"},
@@ -121,7 +121,7 @@ def test_family_renders_as_the_profiled_card_would(
         scheme = "float8" if name in FP8_CARDS else "int8"
         assert result.quantized == {"transformer": scheme}
     # `kiln doctor --profile` decides without loading; it must say what this load did.
-    plan = plan_model(loaded.manifest, renderer.info, settings, renderer.usable_gb())
+    plan = plan_model(loaded.manifest, renderer.info, settings, renderer.planner.usable_gb())
     assert (plan.rung, plan.dtype) == (result.rung, result.dtype)
     for switch in ("channels_last", "vae_tiling", "vae_upcast"):
         assert (switch in plan.names("applied")) == (switch in applied), switch
@@ -130,7 +130,7 @@ def test_family_renders_as_the_profiled_card_would(
 def test_profile_names_and_free_memory_are_checked(make_settings: Any) -> None:
     from pydantic import ValidationError
 
-    from worker.device import simulate
+    from worker.memory.device import simulate
 
     assert make_settings(device_profile=" T4 ").device_profile == "t4"
     with pytest.raises(ValidationError, match=r"unknown device profile 'v100'.*t4, l4, a100"):

@@ -14,7 +14,14 @@ from huggingface_hub.utils import filter_repo_objects
 
 from tests.conftest import kiln
 from worker.manifest import load_manifests
-from worker.pull import PullError, _pipeline_fetch, fetches, missing, pipeline_components, pull
+from worker.pipelines.pull import (
+    PullError,
+    _pipeline_fetch,
+    fetches,
+    missing,
+    pipeline_components,
+    pull,
+)
 
 # The top of stabilityai/stable-diffusion-xl-base-1.0's file list, as the hub shows it.
 SDXL_FILES = [

@@ -14,7 +14,7 @@ from rq.utils import now
 
 from api_client import keys
 from tests.helpers import client_for
-from worker import quarantine
+from worker.queue import quarantine
 
 REQUEST: dict[str, Any] = {"model": "tiny-sd15", "prompt": "ok", "steps": 2, "seed": 1}
 
@@ -82,8 +82,7 @@ def test_a_job_whose_workers_kept_dying_is_noted_as_a_killer(
     redis_conn: Redis, settings: Any
 ) -> None:
     """After its last abandoned retry, rq fails the job; the quarantine says why."""
-    from tests.helpers import make_renderer
-    from worker.queue import make_worker
+    from tests.helpers import make_renderer, make_worker
 
     job = client_for(redis_conn, settings).submit(REQUEST)
     queue = keys.queue_name("tiny-sd15")
@@ -92,9 +91,7 @@ def test_a_job_whose_workers_kept_dying_is_noted_as_a_killer(
     fields = {"status": "started", "retries_left": 0, "number_of_retries": 3, "worker_name": "w3"}
     redis_conn.hset(f"rq:job:{job.id}", mapping=fields)  # type: ignore[arg-type]
     redis_conn.zadd(f"rq:wip:{queue}", {f"{job.id}:dead-execution": 1})
-    make_worker(
-        redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"]
-    ).recover_abandoned()
+    make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"]).sweeper.sweep()
     assert job.status() == "failed"
     (entry,) = quarantine.entries(redis_conn)
     assert entry.job_id == job.id and entry.queue == queue

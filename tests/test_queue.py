@@ -10,8 +10,7 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
-from worker.queue import make_worker
+from tests.helpers import burst, client_for, enqueue_raw, make_renderer, make_worker, records
 
 
 def test_a_worker_takes_only_the_queues_of_its_models(redis_conn: Redis, settings: Any) -> None:
@@ -84,7 +83,7 @@ def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, make_setting
 
     from prometheus_client import REGISTRY
 
-    from worker.metrics import start_metrics
+    from worker.queue.metrics import start_metrics
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

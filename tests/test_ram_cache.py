@@ -12,11 +12,11 @@ from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.test_modes import pixels
-from worker.device import probe
-from worker.faults import FaultPlan
-from worker.loading import load_pipeline
 from worker.manifest import load_manifests
-from worker.resident import RamCache, host_bytes
+from worker.memory.device import probe
+from worker.memory.faults import FaultPlan
+from worker.pipelines.loading import load_pipeline
+from worker.pipelines.resident import RamCache, host_bytes
 
 A, B, C = "tiny-sd15", "tiny-flux", "tiny-sdxl"
 

@@ -15,12 +15,13 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from api_client import KilnClient
 from tests.conftest import kiln
+from tests.fixtures.gate import Gate
 from tests.workers import (
     SLOW_MODEL,
     RedisServer,
     WorkerProcess,
+    gated,
     make_tls_files,
-    paced,
     slow_manifests,
     wait_until,
 )
@@ -76,12 +77,14 @@ class Deployment:
             "KILN_INDUCTOR_CACHE_DIR": str(root / "inductor"),
             "PYTHONUNBUFFERED": "1",
         }
+        # A job of more than 2 steps waits at the gate, mid-denoise, until a test opens it.
+        self.gate = Gate(root / "gate")
         self.worker = WorkerProcess(
             self.env_with_path(),
             root / "worker.log",
             "--models",
             f"{SLOW_MODEL},tiny-sd15",
-            fake=paced(0.3),
+            fake=gated(self.gate),
         )
 
     def env_with_path(self) -> dict[str, str]:
@@ -136,11 +139,13 @@ def test_redis_restarted_mid_job_loses_nothing(deployment: Deployment) -> None:
 
     def denoising() -> bool:
         progress = job.progress()
-        return progress is not None and progress.phase == "denoise" and progress.step >= 2
+        held = job.id in deployment.gate.held()
+        return held and progress is not None and progress.phase == "denoise" and progress.step >= 2
 
-    wait_until(denoising, 120, "the job to start denoising")
+    wait_until(denoising, 120, "the job to wait at the gate, denoising")
     deployment.redis.restart()  # SIGKILL, then start again on the same AOF
     queued_after = client.submit({"model": "tiny-sd15", "prompt": "after the restart", "steps": 2})
+    deployment.gate.open()
     result = job.wait(timeout=180)
     assert result.steps == 12 and Path(result.images[0].path).is_file()
     assert queued_after.wait(timeout=60).model == "tiny-sd15"

@@ -20,7 +20,7 @@ from api_client import RenderFailed, RequestRejected
 from api_client.schema import RenderResult
 from tests.conftest import ROOT, kiln
 from tests.helpers import burst, client_for, make_renderer, records
-from worker.details import read_details
+from worker.files.details import read_details
 
 MODEL = "tiny-sd15"
 JOB = {"model": MODEL, "prompt": "a replayed fox", "steps": 2, "seed": 31}
@@ -241,7 +241,7 @@ def test_a_compile_pin_unlike_the_resident_pipeline_reloads_it(
     """A fake compile (Inductor on CPU takes minutes): the worker compiles by its policy, a job
     pinned eager reloads eager, the next unpinned job goes back to compiled, and a job pinned
     compiled takes the resident compiled pipeline as it is."""
-    monkeypatch.setattr("worker.compile.compile_denoiser", lambda *_args: "fake compile")
+    monkeypatch.setattr("worker.pipelines.compile.compile_denoiser", lambda *_args: "fake compile")
     settings = make_settings(compile="on")
     client = client_for(redis_conn, settings)
     jobs = [

@@ -11,8 +11,9 @@ from redis import Redis
 
 from api_client import KilnClient, keys
 from tests.conftest import kiln
-from tests.workers import WorkerProcess, paced, wait_until
-from worker.quarantine import KEY_ASIDE_PREFIX
+from tests.fixtures.gate import Gate
+from tests.workers import WorkerProcess, gated, wait_until
+from worker.queue.quarantine import KEY_ASIDE_PREFIX
 
 MODEL = "tiny-sd15"
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"
@@ -31,7 +32,8 @@ def test_retyped_keys_are_moved_aside_and_the_worker_goes_on(
     # Before it starts: its queue, the published manifests and the timing fits are strings.
     for key in (QUEUE_KEY, keys.MANIFESTS_KEY, keys.FITS_KEY):
         redis_conn.set(key, "not what kiln keeps here")
-    worker = WorkerProcess(kiln_env, tmp_path / "w.log", "--models", MODEL, fake=paced(0.3))
+    gate = Gate(tmp_path / "gate")  # a job of more than 2 steps waits there, running
+    worker = WorkerProcess(kiln_env, tmp_path / "w.log", "--models", MODEL, fake=gated(gate))
     try:
         worker.wait_ready(redis_conn)
         moved = quarantined_keys(kiln_env)
@@ -52,9 +54,10 @@ def test_retyped_keys_are_moved_aside_and_the_worker_goes_on(
 
         # While a job runs: its event stream becomes a string. The job still finishes.
         job = client.submit({"model": MODEL, "prompt": "b", "steps": 12, "seed": 2})
-        wait_until(lambda: job.status() == "started", 60, "the job to start")
+        wait_until(lambda: gate.held() == [job.id], 60, "the job to start")
         redis_conn.delete(keys.events_key(job.id))
         redis_conn.set(keys.events_key(job.id), "not a stream")
+        gate.open()
         wait_until(lambda: job.status() == "finished", 120, "the job to finish")
         entry = f"key:{keys.events_key(job.id)}"
         wait_until(

@@ -1,10 +1,10 @@
 """kiln against the rq it was written for. kiln overrides rq's worker hooks, calls rq's internals
-and writes rq's records by hand (worker/queue.py, worker/job.py, worker/execution.py), behind a
-pin to the tested line (pyproject.toml). rq changes these in minor releases (3.0 changed
-perform_job and maintain_heartbeats), so this file records each one as rq 2.12 has it: a
-signature (parameters and defaults), an attribute, or a name in Redis. A failure names the hook,
-where kiln uses it, and rq 2.12's value beside the installed rq's. Last, the parts of redis-py's
-Retry that worker/pulse.py subclasses."""
+and writes rq's records by hand (worker/queue/worker.py, job.py, execution.py, lease.py and
+sweep.py), behind a pin to the tested line (pyproject.toml). rq changes these in minor releases
+(3.0 changed perform_job and maintain_heartbeats), so this file records each one as rq 2.12 has
+it: a signature (parameters and defaults), an attribute, or a name in Redis. A failure names the
+hook, where kiln uses it, and rq 2.12's value beside the installed rq's. Last, the parts of
+redis-py's Retry that worker/queue/pulse.py subclasses."""
 
 from __future__ import annotations
 
@@ -63,7 +63,13 @@ class Hook:
 
 
 OVERRIDE, CALL = "overridden by", "called by"
-W, J, X = "KilnWorker (worker/queue.py)", "RenderJob (worker/job.py)", "worker/execution.py"
+W, J, X, L, S = (
+    "KilnWorker (worker/queue/worker.py)",
+    "RenderJob (worker/queue/job.py)",
+    "worker/queue/execution.py",
+    "LeaseKeeper (worker/queue/lease.py)",
+    "Sweeper (worker/queue/sweep.py)",
+)
 
 HOOKS = [
     # The worker: SimpleWorker's hooks as KilnWorker overrides them, in the order rq calls them.
@@ -96,19 +102,23 @@ HOOKS = [
     Hook(
         "SimpleWorker.reorder_queues",
         "(self, reference_queue)",
-        f"{OVERRIDE} {W}: sets _ordered_queues to kiln's lane order (worker/lanes.py)",
+        f"{OVERRIDE} {W}: sets _ordered_queues to kiln's lane order (worker/queue/lanes.py)",
     ),
     Hook("SimpleWorker.execute_job", "(self, job, queue)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.get_heartbeat_ttl", "(self, job)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.set_state", "(self, state, pipeline=None)", f"{OVERRIDE} {W}"),
-    Hook("SimpleWorker.get_state", "(self)", f"{CALL} {W} publish_state"),
+    Hook("SimpleWorker.get_state", "(self)", f"{CALL} {W} _snapshot"),
     Hook("SimpleWorker.handle_exception", "(self, job, *exc_info)", f"{OVERRIDE} {W}"),
     Hook(
         "SimpleWorker.handle_job_failure",
         "(self, job, queue, started_job_registry=None, exc_string='')",
         f"{OVERRIDE} {W}",
     ),
-    Hook("SimpleWorker.cleanup_execution", "(self, job, pipeline)", f"{CALL} {W} _requeue"),
+    Hook(
+        "SimpleWorker.cleanup_execution",
+        "(self, job, pipeline)",
+        f"{OVERRIDE} {W}: a failed or stopped job's webhook delivery joins its end's commit",
+    ),
     Hook("SimpleWorker.get_current_job_id", "(self, pipeline=None)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.handle_payload", "(self, message)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.kill_horse", "(self, sig=<Signals.SIGKILL: 9>)", f"{OVERRIDE} {W}"),
@@ -119,12 +129,12 @@ HOOKS = [
     Hook(
         "UnixSignalDeathPenalty.__init__",
         "(self, timeout, exception=<class 'rq.timeouts.BaseTimeoutException'>, **kwargs)",
-        f"{CALL} {W} _perform, with job_id by keyword",
+        f"{CALL} {W} perform, with job_id by keyword",
     ),
     Hook(
         "UnixSignalDeathPenalty.handle_death_penalty",
         "(self, signum, frame)",
-        f"{OVERRIDE} TimeoutPenalty (worker/queue.py)",
+        f"{OVERRIDE} TimeoutPenalty (worker/queue/worker.py)",
     ),
     # The job: Job's hooks as RenderJob overrides them, and what kiln calls on jobs.
     Hook("Job.func", "property", f"{OVERRIDE} {J}: never imports the payload's name"),
@@ -146,13 +156,13 @@ HOOKS = [
     Hook("Job.args", "property", f"{CALL} {J} problems"),
     Hook("Job.kwargs", "property", f"{CALL} {J} problems, RQJobContext"),
     Hook("Job.prepare_for_execution", "(self, worker_name, pipeline)", f"{CALL} {X} start"),
-    Hook("Job.get_result_ttl", "(self, default_ttl)", f"{CALL} {W} _finish"),
+    Hook("Job.get_result_ttl", "(self, default_ttl)", f"{CALL} {W} finish"),
     Hook("Job.get_status", "(self, refresh=True)", f"{CALL} kiln with refresh=False"),
     Hook("Job.get_meta", "(self, refresh=True)", f"{CALL} api_client/job.py"),
-    Hook("Job.save_meta", "(self)", f"{CALL} worker/job.py record_error"),
+    Hook("Job.save_meta", "(self)", f"{CALL} worker/queue/job.py record_error"),
     Hook("Job.started_job_registry", "property", f"{CALL} {X} push_lease"),
     Hook("Job.dependents_key", "property", f"{CALL} {X} Finisher"),
-    Hook("Job.key_for", "(job_id)", f"{CALL} worker/quarantine.py"),
+    Hook("Job.key_for", "(job_id)", f"{CALL} worker/queue/quarantine.py"),
     Hook("Job.fetch", "(id, connection=None, serializer=None)", f"{CALL} api_client"),
     Hook("Job.fetch_many", "(job_ids, connection, serializer=None)", f"{CALL} api_client/eta.py"),
     Hook(
@@ -174,7 +184,8 @@ HOOKS = [
         "(self, name='default', connection=None, default_timeout=None, is_async=True, "
         "job_class=None, serializer=None, "
         "death_penalty_class=<class 'rq.timeouts.UnixSignalDeathPenalty'>, **kwargs)",
-        f"{CALL} make_worker and the client: job_class and serializer by keyword",
+        f"{CALL} worker/queue/build.py open_queues and the client: job_class and serializer "
+        "by keyword",
     ),
     Hook(
         "Queue.create_job",
@@ -189,8 +200,8 @@ HOOKS = [
         "(self, job, pipeline=None, at_front=False, unique=False)",
         f"{CALL} {W} _requeue: back to the front of its queue",
     ),
-    Hook("Queue.acquire_maintenance_lock", "(self)", f"{CALL} {W} clean-ups and sweeps"),
-    Hook("Queue.release_maintenance_lock", "(self)", f"{CALL} {W} clean-ups and sweeps"),
+    Hook("Queue.acquire_maintenance_lock", "(self)", f"{CALL} {W} clean-ups and {S}"),
+    Hook("Queue.release_maintenance_lock", "(self)", f"{CALL} {W} clean-ups and {S}"),
     Hook("Queue.intermediate_queue", "property", f"{CALL} {W} clean_registries"),
     Hook("Queue.intermediate_queue_key", "property", f"{CALL} {X} start"),
     Hook("Queue.started_job_registry", "property", f"{CALL} {W} and {X}"),
@@ -199,12 +210,12 @@ HOOKS = [
         "StartedJobRegistry.__init__",
         "(self, name='default', connection=None, job_class=None, queue=None, serializer=None, "
         "death_penalty_class=None)",
-        f"{CALL} {W} recover_abandoned, api_client/eta.py",
+        f"{CALL} {S} sweep, api_client/eta.py",
     ),
     Hook(
         "StartedJobRegistry.cleanup",
         "(self, timestamp=None, exception_handlers=None)",
-        f"{CALL} {W} recover_abandoned: rq re-queues abandoned jobs",
+        f"{CALL} {S} sweep: rq re-queues abandoned jobs",
     ),
     Hook(
         "StartedJobRegistry.get_job_ids",
@@ -220,7 +231,7 @@ HOOKS = [
     Hook(
         "Execution.__init__",
         "(self, id, job_id, connection, worker_name='')",
-        f"{CALL} {W} _start",
+        f"{CALL} {L} take",
     ),
     Hook("Execution.composite_key", "property", f"{CALL} {X}: the lease's member"),
     Hook(
@@ -243,10 +254,10 @@ HOOKS = [
         "(connection, worker_name, command, **kwargs)",
         f"{CALL} api_client/job.py cancel: stop-job",
     ),
-    Hook("rq.utils.current_timestamp", "()", f"{CALL} {W}"),
+    Hook("rq.utils.current_timestamp", "()", f"{CALL} {W} and {S}"),
     Hook("rq.utils.now", "()", f"{CALL} {W} and the client"),
     Hook("rq.utils.utcformat", "(dt)", f"{CALL} {W} and {X}"),
-    Hook("rq.utils.str_to_date", "(date_str)", f"{CALL} worker/quarantine.py"),
+    Hook("rq.utils.str_to_date", "(date_str)", f"{CALL} worker/queue/quarantine.py"),
 ]
 
 # Attributes kiln reads or sets that rq creates (most of them private), on real rq objects.
@@ -257,7 +268,7 @@ ATTRIBUTES = {
         "_stopped_job_id",  # rq marks this job STOPPED in handle_job_failure
         "_exc_handlers",  # handed to clean_registries
         "_ordered_queues",  # the order rq's dequeue pops in: kiln's lanes (reorder_queues)
-        "execution",
+        "execution",  # rq's failure handling reads and clears it: KilnWorker's lease keeper's
         "_state",
         "last_cleaned_at",
         "last_heartbeat",
@@ -303,8 +314,8 @@ ATTRIBUTES = {
     "Execution": ("id", "job_id"),
 }
 
-# Names in Redis and values that kiln's scripts (worker/execution.py FINISH, api_client/enqueue.py
-# ENQUEUE) and quarantine checks write or read without going through rq.
+# Names in Redis and values that kiln's scripts (worker/queue/execution.py FINISH,
+# api_client/enqueue.py ENQUEUE) and quarantine checks write or read without going through rq.
 LAYOUT: dict[str, tuple[Any, Any]] = {
     "started registry key": (lambda: StartedJobRegistry("q", connection=Redis()).key, "rq:wip:q"),
     "finished registry key": (
@@ -499,17 +510,18 @@ def test_rq_redis_layout_is_what_kiln_writes_by_hand(what: str) -> None:
 
 def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
     """A new override (or a new attribute set over rq's) must come with its rq 2.12 record."""
-    from worker.job import RenderJob
-    from worker.queue import KilnWorker, TimeoutPenalty
+    from worker.queue.job import RenderJob
+    from worker.queue.worker import KilnWorker, TimeoutPenalty
 
     recorded = {h.name for h in HOOKS} | {
         f"{owner}.{name}" for owner, names in ATTRIBUTES.items() for name in names
     }
     missing = []
-    # KilnWorker's mixins (worker/lease.py, worker/publisher.py) count: a hook there shadows rq's.
-    mixins = [c for c in KilnWorker.__mro__[1:] if c.__module__.startswith("worker.")]
+    # rq's SimpleWorker is KilnWorker's only base, so every hook it overrides is in its own body
+    # (its lease keeper, sweeper and publishers are objects it owns, not bases).
+    assert KilnWorker.__bases__ == (SimpleWorker,), KilnWorker.__bases__
     for ours, theirs, owner in (
-        *((cls, SimpleWorker, "SimpleWorker") for cls in (KilnWorker, *mixins)),
+        (KilnWorker, SimpleWorker, "SimpleWorker"),
         (RenderJob, Job, "Job"),
         (TimeoutPenalty, UnixSignalDeathPenalty, "UnixSignalDeathPenalty"),
     ):
@@ -523,20 +535,21 @@ def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
 
 
 def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
-    """worker/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a line):
-    it copies the policy's private fields, wraps call_with_retry's first two parameters and
+    """worker/queue/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a
+    line): it copies the policy's private fields, wraps call_with_retry's first two parameters and
     forwards the rest, and relies on each new connection deep-copying the client's policy."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry as RedisRetry
 
-    from worker.pulse import WatchedRetry, watch_connection
+    from worker.queue.pulse import WatchedRetry, watch_connection
 
     policy = RedisRetry(NoBackoff(), 3)
     fields = [f for f in ("_backoff", "_retries", "_supported_errors") if not hasattr(policy, f)]
     assert fields == [], f"redis-py's Retry no longer has {fields} (WatchedRetry copies them)"
     found = list(inspect.signature(RedisRetry.call_with_retry).parameters)[:3]
     assert found == ["self", "do", "fail"], (
-        f"redis-py changed Retry.call_with_retry, overridden by WatchedRetry (worker/pulse.py):\n"
+        "redis-py changed Retry.call_with_retry, overridden by WatchedRetry"
+        f" (worker/queue/pulse.py):\n"
         f"  tested: (self, do, fail, ...)\n  now: {found}"
     )
     client = Redis(retry=policy)
@@ -545,3 +558,15 @@ def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
     assert isinstance(connection.retry, WatchedRetry) and connection.retry.watch is watch, (
         "a new pooled connection no longer takes (a copy of) the client's retry policy"
     )
+
+
+def test_the_function_every_kiln_job_names_resolves_and_refuses_a_plain_rq_worker() -> None:
+    """Queued records name worker.queue.render_job (api_client.schema.RENDER_FUNC); RQ's readers
+    resolve it as rq does. Run by a plain RQ worker it fails the job with the reason."""
+    from rq.utils import import_attribute
+
+    from api_client.schema import RENDER_FUNC
+
+    render_job = import_attribute(RENDER_FUNC)
+    with pytest.raises(RuntimeError, match="only under `kiln worker`"):
+        render_job({"model": "tiny-sd15", "prompt": "x"})

@@ -24,8 +24,8 @@ from rq.webhook import Webhook
 
 from api_client import KilnJob, RenderFailed, keys
 from api_client.events import EVENTS_TTL_S
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
-from worker.queue import RenderJob, make_worker
+from tests.helpers import burst, client_for, enqueue_raw, make_renderer, make_worker, records
+from worker.queue.job import RenderJob
 
 MODEL = "tiny-sd15"
 REQUEST: dict[str, Any] = {"model": MODEL, "prompt": "ok", "steps": 2, "seed": 1}
@@ -167,7 +167,7 @@ def test_abandoned_hostile_job_runs_no_callback_during_recovery(
     redis_conn.hset(f"rq:job:{job_id}", "status", "started")
     redis_conn.zadd(f"rq:wip:{queue.name}", {f"{job_id}:dead-execution": time.time() - 60})
     worker = make_worker(redis_conn, make_renderer(settings, [MODEL]), [MODEL])
-    worker.recover_abandoned()
+    worker.sweeper.sweep()
     assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"failed"  # no retries were asked for
     assert IMPORT_CANARY not in sys.modules
     # Its event stream ends as a failed job's does, with why, and expires with it.

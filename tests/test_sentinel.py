@@ -11,9 +11,9 @@ import pytest
 
 from api_client import KilnClient
 from api_client.connection import parse_sentinel_url
-from tests.helpers import make_renderer
+from tests.helpers import make_renderer, make_worker
 from tests.workers import RedisServer, free_port, wait_until
-from worker.queue import make_worker, worker_connection
+from worker.queue.lease import worker_connection
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a gull", "steps": 2, "seed": 4}
 
@@ -28,7 +28,6 @@ def test_sentinel_urls_parse_hosts_service_db_and_auth() -> None:
         parse_sentinel_url("redis+sentinel://s1:26379")
 
 
-@pytest.mark.slow
 def test_client_and_worker_ride_a_sentinel_failover(tmp_path: Path, make_settings: Any) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -13,12 +13,13 @@ from redis import Redis
 from rq.registry import StartedJobRegistry
 
 from api_client import KilnClient, KilnJob, keys
+from tests.fixtures.gate import Gate
 from tests.helpers import records
 from tests.workers import (
     DIES_AFTER_SAVE,
     SLOW_MODEL,
     WorkerProcess,
-    paced,
+    gated,
     slow_manifests,
     wait_until,
 )
@@ -44,10 +45,18 @@ def denoising(job: KilnJob, at_least: int = 1) -> bool:
     return progress is not None and progress.phase == "denoise" and progress.step >= at_least
 
 
+def held(gate: Gate, job: KilnJob) -> bool:
+    """The job waits at this worker's gate, mid-denoise, and its progress says so."""
+    return job.id in gate.held() and denoising(job, gate.at)
+
+
+@pytest.mark.slow
 def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], settings: Any, tmp_path: Path
 ) -> None:
-    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, fake=paced(1.0))
+    # The long job waits at mid's gate (never opened) until mid is killed.
+    gate = Gate(tmp_path / "mid-gate")
+    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, fake=gated(gate))
     saver = WorkerProcess(
         env, tmp_path / "saver.log", "--models", "tiny-sd15", fake=DIES_AFTER_SAVE
     )
@@ -57,17 +66,17 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
         saver.wait_ready(redis_conn)
         # 1. One worker dies after writing the files; one is SIGKILLed in the middle of denoising.
         saved = client.submit({"model": "tiny-sd15", "prompt": "saved", "steps": 2, "seed": 5})
-        long = client.submit({"model": SLOW_MODEL, "prompt": "killed", "steps": 50, "seed": 3})
+        long = client.submit({"model": SLOW_MODEL, "prompt": "killed", "steps": 12, "seed": 3})
         assert saver.wait(timeout=120) == -signal.SIGKILL
         image = settings.output_dir / saved.id / "0.png"
         first_write = image.stat().st_mtime_ns
         assert saved.status() == "started"  # Redis never heard back
-        wait_until(lambda: denoising(long), 120, "the long job to start denoising")
+        wait_until(lambda: held(gate, long), 120, "the long job to wait at its gate, denoising")
         # 2. The next worker comes up while the long job is still running, then its worker dies.
         reborn = WorkerProcess(env, tmp_path / "reborn.log", "--models", f"{SLOW_MODEL},tiny-sd15")
         reborn.wait_ready(redis_conn)
         progress = long.progress()
-        assert progress is not None and progress.step < 50, "the long job ended before the kill"
+        assert progress is not None and progress.step < 12, "the long job ended before the kill"
         mid.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         mid.wait(timeout=30)
@@ -110,15 +119,20 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], tmp_path: Path
 ) -> None:
     job = client.submit({"model": SLOW_MODEL, "prompt": "interrupted", "steps": 12, "seed": 9})
-    hurried = WorkerProcess(env, tmp_path / "hurried.log", "--models", SLOW_MODEL, fake=paced(0.3))
+    # Each worker holds the job at its gate, mid-denoise, until the signals have landed.
+    hurried_gate, patient_gate = Gate(tmp_path / "hurried-gate"), Gate(tmp_path / "patient-gate")
+    hurried = WorkerProcess(
+        env, tmp_path / "hurried.log", "--models", SLOW_MODEL, fake=gated(hurried_gate)
+    )
     patient: WorkerProcess | None = None
     try:
         # 1. Two signals: the job stops at its next step and goes back to the front of its queue.
-        wait_until(lambda: denoising(job), STARTUP_S_AND_LOAD, "the job to start denoising")
+        wait_until(lambda: held(hurried_gate, job), STARTUP_S_AND_LOAD, "the job at its gate")
         hurried.signal(signal.SIGTERM)
         # Signals sent back to back can merge into one; send the second once the first landed.
         wait_until(lambda: "warm shutdown requested" in hurried.output(), 30, "the first SIGTERM")
         hurried.signal(signal.SIGTERM)
+        hurried_gate.open()
         assert hurried.wait(timeout=60) == 0, hurried.output()
         assert job.status() == "queued", hurried.output()
         assert job.progress() is None, redis_conn.hget(f"rq:job:{job.id}", "meta")
@@ -131,11 +145,15 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
         # 2. One signal: the next worker finishes the re-queued job, then exits 0.
         later = client.submit({"model": SLOW_MODEL, "prompt": "not taken", "steps": 2})
         patient = WorkerProcess(
-            env, tmp_path / "patient.log", "--models", SLOW_MODEL, fake=paced(0.3)
+            env, tmp_path / "patient.log", "--models", SLOW_MODEL, fake=gated(patient_gate)
         )
-        wait_until(lambda: denoising(job), STARTUP_S_AND_LOAD, "the re-queued job to start again")
+        wait_until(
+            lambda: held(patient_gate, job), STARTUP_S_AND_LOAD, "the re-queued job at its gate"
+        )
         assert redis_conn.hget(f"rq:job:{job.id}", "worker_name") == patient.name.encode()
         patient.signal(signal.SIGTERM)
+        wait_until(lambda: "warm shutdown requested" in patient.output(), 30, "the SIGTERM")
+        patient_gate.open()
         assert patient.wait(timeout=120) == 0, patient.output()
         result = job.wait(timeout=1)
         assert result.steps == 12 and Path(result.images[0].path).is_file()

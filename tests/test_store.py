@@ -26,19 +26,20 @@ from botocore.exceptions import (
 )
 from redis import Redis
 
-from api_client import KilnClient, RenderFailed
+from api_client import KilnClient, KilnJob, RenderFailed
 from api_client.fetch import FetchFailed
 from api_client.webhooks import verify_webhook
 from tests.conftest import MANIFESTS, ROOT
 from tests.fixtures.flaky_s3 import FlakyS3
+from tests.fixtures.gate import hold_here
 from tests.fixtures.stops_after_preview import StopsAfterPreview
 from tests.helpers import burst, client_for, make_renderer, records
 from tests.hookserver import HookServer
 from tests.s3server import BUCKET, MotoServer
-from tests.workers import STARTUP_S, WorkerProcess, free_port, pace_here, wait_until
-from worker.context import LocalContext
-from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreUnavailable
-from worker.store import StoreError, _heals
+from tests.workers import STARTUP_S, WorkerProcess, free_port, wait_until
+from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreError, StoreUnavailable
+from worker.files.s3 import _heals
+from worker.render.context import LocalContext
 
 # Standard Webhooks: whsec_ and the base64 of the key bytes.
 SECRET = "whsec_" + base64.b64encode(b"studio-webhook-secret-0123456789").decode()
@@ -53,13 +54,12 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pace_here(monkeypatch, 0.1)  # 8 steps outlast a progress interval, however fast the machine
     hooks = HookServer()
     hooks.start()
     webhooks = json.dumps({"studio": {"url": hooks.url, "secret": SECRET}})
     settings = make_settings(**s3.store_settings(), webhooks=webhooks)
     renderer = make_renderer(settings, ["tiny-sd15"])
-    from worker.queue import make_worker
+    from tests.helpers import make_worker
 
     worker = make_worker(redis_conn, renderer, ["tiny-sd15"])  # publishes the target names
     # The backend: another process, with Redis only (no AWS_*, no KILN_OUTPUT_*).
@@ -76,6 +76,10 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     )
     try:
         wait_until(lambda: redis_conn.llen("rq:queue:kiln:tiny-sd15") == 1, 30, "the job queued")
+        # The job waits at its step 2 until that progress is in its stream for the backend.
+        [queued] = redis_conn.lrange("rq:queue:kiln:tiny-sd15", 0, -1)
+        job = KilnJob(queued.decode(), redis_conn)
+        hold_here(monkeypatch, lambda step: job.progress() is not None)
         worker.work(burst=True)
         out, err = backend.communicate(timeout=120)
     finally:
@@ -126,7 +130,9 @@ def test_s3_results_are_answered_from_the_store_with_fresh_urls(
     settings = make_settings(**s3.store_settings(prefix="again"), url_expires_s=60)
     renderer = make_renderer(settings, ["tiny-sd15"])
     first = renderer.render(REQUEST, LocalContext("same-job"))
-    time.sleep(1.1)  # presigned URLs carry a timestamp to the second
+    # Presigned URLs carry a timestamp to the second: the next one is signed in a later second.
+    second = int(time.time())
+    wait_until(lambda: int(time.time()) > second, 5, "the next second")
     again = renderer.render(REQUEST, LocalContext("same-job"))
     # Answered from the store, not rendered again. (S3 keeps no .recorded mark, so this second
     # record exists; it says where it came from and stays out of medians and fits.)

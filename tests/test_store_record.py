@@ -1,9 +1,9 @@
 """One timing record per job, also when a worker dies between finishing a job's files and
 committing the job's end in Redis. Real `kiln worker` processes SIGKILL themselves at two points
-(one fake each): the instant result.json is written, and as the job's end is committed (_finish).
-A done job's record is published only after that commit, so neither dead worker wrote one; a
-third worker takes both jobs over, answers them from the store and writes one record each, with
-the phases of the render that wrote result.json."""
+(one fake each): the instant result.json is written, and as the job's end is committed
+(LeaseKeeper.finish). A done job's record is published only after that commit, so neither dead
+worker wrote one; a third worker takes both jobs over, answers them from the store and writes one
+record each, with the phases of the render that wrote result.json."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.workers import DIES_AFTER_SAVE, Fake, WorkerProcess, wait_until
 
 # Dies the instant result.json is on disk, before the job's end is committed.
 DIES_AFTER_RESULT = Fake("tests.fixtures.dies_after_result_worker")
-# DIES_AFTER_SAVE dies as it commits the job's end (KilnWorker._finish).
+# DIES_AFTER_SAVE dies as it commits the job's end (LeaseKeeper.finish).
 
 REQUEST = {"prompt": "a fox", "steps": 2, "seed": 3}
 

@@ -24,7 +24,7 @@ from diffusers import (
 )
 from transformers import Qwen2Tokenizer
 
-from worker.tiny import (
+from worker.pipelines.tiny import (
     BUILDER_VERSION,
     STAMP_FILE,
     TAESD_LATENTS,

@@ -12,7 +12,8 @@ from redis import Redis
 from api_client import KilnClient, keys
 from api_client.schema import WorkerState
 from tests.conftest import ROOT, kiln
-from tests.workers import WorkerProcess, paced, wait_until
+from tests.fixtures.gate import Gate
+from tests.workers import WorkerProcess, gated, wait_until
 
 
 def published(conn: Redis, name: str) -> WorkerState | None:
@@ -23,8 +24,9 @@ def published(conn: Redis, name: str) -> WorkerState | None:
 def test_top_once_shows_two_workers_and_two_queues(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
 ) -> None:
-    # The sd15 worker's steps are paced, so its long job is mid-denoise when top looks.
-    slow = WorkerProcess(kiln_env, tmp_path / "a.log", "--models", "tiny-sd15", fake=paced(0.4))
+    # The sd15 worker's long job waits at a gate (never opened), mid-denoise when top looks.
+    gate = Gate(tmp_path / "gate")
+    slow = WorkerProcess(kiln_env, tmp_path / "a.log", "--models", "tiny-sd15", fake=gated(gate))
     quick = WorkerProcess(kiln_env, tmp_path / "b.log", "--models", "tiny-sdxl")
     client = KilnClient(connection=redis_conn, manifests_dir=ROOT / "manifests")
     try:
@@ -42,7 +44,8 @@ def test_top_once_shows_two_workers_and_two_queues(
         def running() -> bool:
             state = published(redis_conn, slow.name)
             progress = long.progress()
-            return bool(state and state.running == long.id and progress)
+            held = progress is not None and progress.phase == "denoise" and gate.held()
+            return bool(state and state.running == long.id and held)
 
         # The state is published every 10 s; the job's progress once a second.
         wait_until(running, 40, "the slow worker to publish its running job", poll=0.3)
@@ -78,7 +81,7 @@ def test_top_reads_entries_that_do_not_parse_as_nothing(redis_conn: Redis) -> No
     """Anyone who may write to Redis can put anything in a queue stream or the manifests hash:
     the view skips what does not parse instead of failing."""
     from api_client.manifest import load_manifest_file
-    from worker.top import render, snapshot
+    from worker.ops.top import render, snapshot
 
     manifest = load_manifest_file(ROOT / "manifests" / "tiny-sd15.yaml")
     redis_conn.hset(keys.MANIFESTS_KEY, mapping={"tiny-sd15": manifest.model_dump_json()})

@@ -19,8 +19,8 @@ from api_client.events import EVENTS_RETENTION_S, EVENTS_TTL_S
 from api_client.job import STOP_TTL_S
 from api_client.schema import JobEvent
 from tests.helpers import burst, client_for, make_renderer
-from worker import events as job_events
 from worker.manifest import load_manifests, publish_manifests
+from worker.queue import events as job_events
 
 MODEL = "tiny-sd15"
 QUEUE = keys.queue_name(MODEL)

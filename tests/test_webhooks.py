@@ -1,14 +1,15 @@
 """Webhooks against live local receivers (http.server on 127.0.0.1, and the fakes in
 tests/fixtures): Standard Webhooks signatures checked by the `standardwebhooks` package itself, a
 receiver that is down for a while, one that hangs, one that answers malformed HTTP, a slow one,
-targets that are not configured, and the Redis outbox for job ends outside a worker's render."""
+targets that are not configured, and the Redis outbox every delivery waits in (its write, and
+several senders sharing it). Outages, crashes, dead letters and the bound:
+tests/test_webhooks_durable.py."""
 
 from __future__ import annotations
 
 import base64
 import json
 import logging
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -20,8 +21,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from api_client import RenderFailed, RequestRejected
 from api_client.schema import JobEvent
 from api_client.webhooks import (
-    OUTBOX_MAX,
-    OUTBOX_TTL_S,
+    OutboxEntry,
     WebhookInvalid,
     job_webhook_target,
     outbox_key,
@@ -35,15 +35,8 @@ from tests.fixtures.malformed_receiver import MalformedReceiver
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
 from tests.hookserver import HookServer
 from tests.workers import free_port, wait_until
-from worker.webhooks import (
-    DRAIN_BATCH,
-    TIMEOUT_S,
-    Dispatcher,
-    WebhooksInvalid,
-    WebhookTarget,
-    delivery_id,
-    parse_targets,
-)
+from worker.queue.webhooks import TIMEOUT_S, Dispatcher, delivery_id
+from worker.settings import WebhooksInvalid, WebhookTarget, parse_targets
 
 SECRET = "whsec_" + base64.b64encode(b"receiver-secret-0123456789abcdef").decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"another-secret-0123456789abcdef!").decode()
@@ -54,20 +47,27 @@ def _event(job_id: str = "job-1") -> JobEvent:
     return JobEvent(kind="failed", job_id=job_id, model="tiny-sd15", at=time.time(), error="boom")
 
 
-def _dispatcher(url: str, **options: Any) -> Dispatcher:
-    return Dispatcher({"studio": WebhookTarget(url=url, secret=SECRET)}, **options)
+def _dispatcher(conn: Redis, url: str, **options: Any) -> Dispatcher:
+    return Dispatcher({"studio": WebhookTarget(url=url, secret=SECRET)}, conn, **options)
+
+
+def _send(conn: Redis, dispatcher: Dispatcher, event: JobEvent, target: str = "studio") -> str:
+    """Write the event's delivery to the outbox, as a job's end does, and wake the sender."""
+    assert queue_webhook(conn, target, event)
+    dispatcher.wake(target)
+    return delivery_id(event)
 
 
 def _failed_tries(caplog: pytest.LogCaptureFixture, reason: str) -> int:
     return sum("failed (" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
-def test_a_delivery_verifies_with_standardwebhooks_and_kilns_helper() -> None:
+def test_a_delivery_verifies_with_standardwebhooks_and_kilns_helper(redis_conn: Redis) -> None:
     hooks = HookServer()
     hooks.start()
-    dispatcher = _dispatcher(hooks.url)
+    dispatcher = _dispatcher(redis_conn, hooks.url)
     try:
-        sent = dispatcher.send("studio", _event())
+        sent = _send(redis_conn, dispatcher, _event())
         [delivery] = hooks.wait_for(1)
     finally:
         dispatcher.close()
@@ -118,16 +118,16 @@ def test_kilns_helper_accepts_what_the_stock_library_signs() -> None:
 
 
 def test_a_receiver_down_for_a_while_still_gets_the_delivery_once(
-    caplog: pytest.LogCaptureFixture,
+    redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.webhooks")
+    caplog.set_level(logging.WARNING, logger="worker.queue.webhooks")
     port = free_port()
     hooks = HookServer(port=port)
-    dispatcher = _dispatcher(hooks.url, attempts=20, backoff_s=0.2)
+    dispatcher = _dispatcher(redis_conn, hooks.url, retries=(0.2,) * 20)
     try:
         started = time.monotonic()
-        sent = dispatcher.send("studio", _event("job-down"))
-        assert time.monotonic() - started < 0.05  # queued, not sent inline
+        sent = _send(redis_conn, dispatcher, _event("job-down"))
+        assert time.monotonic() - started < 0.05  # written, not sent inline
         wait_until(lambda: _failed_tries(caplog, "refused") >= 2, 15, "two refused tries")
         assert hooks.received == [] and dispatcher.pending() == 1
         hooks.start()
@@ -141,7 +141,7 @@ def test_a_receiver_down_for_a_while_still_gets_the_delivery_once(
     assert verify_webhook(SECRET, delivery.body, delivery.headers).job_id == "job-down"
 
 
-def test_a_hung_receiver_delays_only_its_own_target() -> None:
+def test_a_hung_receiver_delays_only_its_own_target(redis_conn: Redis) -> None:
     hung, hooks = HungReceiver(), HookServer()
     hung.start()
     hooks.start()
@@ -149,42 +149,44 @@ def test_a_hung_receiver_delays_only_its_own_target() -> None:
         {
             "stuck": WebhookTarget(url=hung.url, secret=SECRET),
             "studio": WebhookTarget(url=hooks.url, secret=SECRET),
-        }
+        },
+        redis_conn,
     )
     try:
         for n in range(3):
-            dispatcher.send("stuck", _event(f"job-stuck-{n}"))
+            _send(redis_conn, dispatcher, _event(f"job-stuck-{n}"), "stuck")
         wait_until(lambda: hung.requests == 1, 10, "the hung receiver to hold a request")
         started = time.monotonic()
-        dispatcher.send("studio", _event("job-studio"))
+        _send(redis_conn, dispatcher, _event("job-studio"))
         [delivery] = hooks.wait_for(1, timeout=TIMEOUT_S / 2)
         took = time.monotonic() - started
         # Still hanging: its first try has not timed out and the other two wait behind it.
         wait_until(lambda: dispatcher.pending() == 3, 5, "only the hung target's three pending")
         assert hung.requests == 1
+        assert redis_conn.zcard(outbox_key("stuck", "taken")) == 1
     finally:
-        hung.stop()
-        dispatcher.close(timeout=0)
+        hung.stop()  # its held try fails now, and the sender settles it before it stops
+        dispatcher.close(timeout=TIMEOUT_S)
         hooks.stop()
     assert took < 3.0, f"the studio delivery took {took:.1f} s behind a hung receiver"
     assert verify_webhook(SECRET, delivery.body, delivery.headers).job_id == "job-studio"
 
 
 def test_a_malformed_answer_is_retried_and_the_sender_lives_on(
-    caplog: pytest.LogCaptureFixture,
+    redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.webhooks")
+    caplog.set_level(logging.WARNING, logger="worker.queue.webhooks")
     malformed = MalformedReceiver()
     malformed.start()
     hooks = HookServer(port=malformed.port)  # the receiver fixed later, at the same address
-    dispatcher = _dispatcher(malformed.url, attempts=50, backoff_s=0.1)
+    dispatcher = _dispatcher(redis_conn, malformed.url, retries=(0.1,) * 50)
     try:
-        dispatcher.send("studio", _event("job-first"))
+        _send(redis_conn, dispatcher, _event("job-first"))
         wait_until(lambda: _failed_tries(caplog, "BadStatusLine") >= 2, 15, "two malformed answers")
         malformed.stop()
         hooks.start()
         hooks.wait_for(1, timeout=15)  # the same delivery, by the same sender thread
-        dispatcher.send("studio", _event("job-later"))
+        _send(redis_conn, dispatcher, _event("job-later"))
         deliveries = hooks.wait_for(2, timeout=15)
     finally:
         dispatcher.close()
@@ -203,10 +205,11 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
     burst(redis_conn, renderer, ["tiny-sd15"])  # publishes the target name
     first = client.submit({**REQUEST, "webhook": "studio"})
     second = client.submit({**REQUEST, "webhook": "studio", "seed": 2})
-    try:
-        from worker.queue import make_worker
+    from tests.helpers import make_worker
 
-        worker = make_worker(redis_conn, renderer, ["tiny-sd15"])
+    worker = make_worker(redis_conn, renderer, ["tiny-sd15"])
+    close = worker.webhooks.close
+    try:
         worker.webhooks.close = lambda timeout=0.0: None  # type: ignore[method-assign]
         worker.work(burst=True)
         # Both jobs ended while the receiver still sat on the first delivery.
@@ -215,6 +218,8 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
         hooks.answering.set()
         deliveries = hooks.wait_for(2, timeout=30)
     finally:
+        hooks.answering.set()
+        close()
         hooks.stop()
     # A try that outlived its timeout is answered late too: the same delivery, twice at most.
     assert {verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries} == {
@@ -269,7 +274,7 @@ def test_bad_webhook_configuration_is_named_without_its_secret() -> None:
         parse_targets("/no/such/webhooks.json")
 
 
-def test_an_outbox_entry_is_delivered_by_a_worker_that_knows_its_target(
+def test_an_outbox_entry_is_written_once_and_delivered_by_a_worker_that_knows_its_target(
     redis_conn: Redis,
 ) -> None:
     # The target, read from a job record as RQ stores it (what a cancel or a quarantine has).
@@ -284,84 +289,86 @@ def test_an_outbox_entry_is_delivered_by_a_worker_that_knows_its_target(
 
     stopped = JobEvent(kind="stopped", job_id=job_id, model="tiny-sd15", at=time.time())
     assert not queue_webhook(redis_conn, None, stopped)  # no target named: nothing written
-    assert redis_conn.keys("kiln:webhook-outbox:*") == []
+    assert redis_conn.keys("kiln:webhooks:*") == []
     with pytest.raises(ValueError, match="not a target name"):
         queue_webhook(redis_conn, "https://x.example/", stopped)
-    with redis_conn.pipeline() as pipe:  # joins the caller's round trip
+    with redis_conn.pipeline() as pipe:  # joins the caller's commit (MULTI)
+        pipe.hset(f"rq:job:{job_id}", "status", "stopped")
         assert queue_webhook(pipe, target, stopped)
-        assert redis_conn.llen(outbox_key("studio")) == 0
-        pipe.execute()
-    assert 0 < redis_conn.ttl(outbox_key("studio")) <= OUTBOX_TTL_S
+        assert redis_conn.hlen(outbox_key("studio", "entries")) == 0
+        assert pipe.execute() == [0, 1]
+    # The same end written again (a retried commit, a second writer) is the same one delivery.
+    assert queue_webhook(redis_conn, target, stopped.model_copy(update={"at": time.time()}))
+    assert redis_conn.hlen(outbox_key("studio", "entries")) == 1
+    due: Any = redis_conn.zrange(outbox_key("studio", "due"), 0, -1, withscores=True)
+    [(due_id, due_at)] = due
+    assert due_id.decode() == delivery_id(stopped) and due_at <= time.time()
+    entry = OutboxEntry.model_validate_json(
+        redis_conn.hget(outbox_key("studio", "entries"), due_id) or b""
+    )
+    assert (entry.job_id, entry.kind, entry.attempts, entry.last_answer) == (
+        job_id,
+        "stopped",
+        0,
+        None,
+    )
     hooks = HookServer()
     hooks.start()
-    dispatcher = _dispatcher(hooks.url)
+    dispatcher = _dispatcher(redis_conn, hooks.url)
     try:
-        assert dispatcher.drain_outbox(redis_conn) == 1
+        dispatcher.start()
         [delivery] = hooks.wait_for(1)
-        assert dispatcher.drain_outbox(redis_conn) == 0
+        wait_until(lambda: dispatcher.pending() == 0, 10, "the delivery to be settled")
     finally:
         dispatcher.close()
         hooks.stop()
     assert Webhook(SECRET).verify(delivery.body, delivery.headers)["kind"] == "stopped"
     assert delivery.headers["webhook-id"] == delivery_id(stopped)
-    assert redis_conn.exists(outbox_key("studio")) == 0
+    assert redis_conn.keys("kiln:webhooks:studio:*") == []  # acked: deleted
 
 
-def test_several_workers_drain_each_outbox_entry_once_and_leave_other_targets(
-    redis_conn: Redis,
+def test_several_workers_share_each_targets_outbox_and_leave_other_targets(
+    redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    for n in range(2 * DRAIN_BATCH + 10):
-        queue_webhook(redis_conn, "studio", _event(f"job-{n}"))
+    count = 60
+    with redis_conn.pipeline(transaction=False) as pipe:
+        for n in range(count):
+            queue_webhook(pipe, "studio", _event(f"job-{n}"))
+        pipe.execute()
     queue_webhook(redis_conn, "elsewhere", _event("job-elsewhere"))
-    redis_conn.lpush(outbox_key("studio"), b"not an entry")
+    redis_conn.hset(outbox_key("studio", "entries"), "forged", b"not an entry")
+    redis_conn.zadd(outbox_key("studio", "due"), {"forged": 0})
     hooks = HookServer()
     hooks.start()
-    workers = [_dispatcher(hooks.url) for _ in range(3)]
-    drained: list[int] = []
-
-    def drain(dispatcher: Dispatcher) -> None:
-        while taken := dispatcher.drain_outbox(redis_conn):
-            drained.append(taken)
-
+    workers = [_dispatcher(redis_conn, hooks.url) for _ in range(3)]
     try:
-        threads = [threading.Thread(target=drain, args=(w,)) for w in workers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        deliveries = hooks.wait_for(2 * DRAIN_BATCH + 10)
-        wait_until(lambda: sum(w.pending() for w in workers) == 0, 30, "every delivery settled")
+        for worker in workers:
+            worker.start()
+        deliveries = hooks.wait_for(count)
+        wait_until(lambda: workers[0].pending() == 0, 30, "every delivery settled")
     finally:
         for worker in workers:
             worker.close()
         hooks.stop()
-    assert max(drained) <= DRAIN_BATCH  # one drain takes at most a batch per target
     job_ids = [verify_webhook(SECRET, d.body, d.headers).job_id for d in deliveries]
-    assert sorted(job_ids) == sorted(f"job-{n}" for n in range(2 * DRAIN_BATCH + 10))
-    # The unreadable entry was dropped; the unknown target's entry waits for its own worker.
-    assert redis_conn.exists(outbox_key("studio")) == 0
-    assert redis_conn.llen(outbox_key("elsewhere")) == 1
-    assert redis_conn.ttl(outbox_key("elsewhere")) > 0
+    assert sorted(job_ids) == sorted(f"job-{n}" for n in range(count))  # each once: leased
+    assert all(w.delivered for w in workers), [len(w.delivered) for w in workers]
+    # The unreadable entry was dropped, logged; the unknown target's entry waits for its worker.
+    assert any("unreadable entry dropped" in r.getMessage() for r in caplog.records)
+    assert redis_conn.keys("kiln:webhooks:studio:*") == []
+    assert redis_conn.zcard(outbox_key("elsewhere", "due")) == 1
 
 
-def test_the_outbox_keeps_the_newest_entries_up_to_its_cap(redis_conn: Redis) -> None:
-    with redis_conn.pipeline(transaction=False) as pipe:
-        for n in range(OUTBOX_MAX + 5):
-            queue_webhook(pipe, "studio", _event(f"job-{n}"))
-        pipe.execute()
-    assert redis_conn.llen(outbox_key("studio")) == OUTBOX_MAX
-    oldest = json.loads(redis_conn.lindex(outbox_key("studio"), -1) or b"{}")
-    assert oldest["event"]["job_id"] == "job-5"
-
-
-def test_every_job_end_outside_a_render_sends_its_webhook_through_a_worker(
+def test_every_job_end_outside_a_render_lands_in_the_outbox_and_survives_its_sender(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Any
 ) -> None:
     """Cancelled while queued (by the client, which has no target URLs), abandoned by a dead
-    worker with no retries left, and quarantined: each end reaches its target, delivered by a
-    real worker process from the outbox, verified with the standardwebhooks package."""
+    worker with no retries left, and quarantined: each end's delivery is written in Redis. A
+    worker that takes one and dies before it sends (crash@webhook) loses none: a second worker
+    delivers all three, the taken one once its lease lapses, with the same webhook-id."""
     from api_client import KilnClient, keys
-    from tests.workers import WorkerProcess
+    from tests.workers import Fake, WorkerProcess
+    from worker.memory.faults import CRASH_STATUS
 
     hooks = HookServer()
     hooks.start()
@@ -374,6 +381,8 @@ def test_every_job_end_outside_a_render_sends_its_webhook_through_a_worker(
     request = {**REQUEST, "model": "tiny-sd3", "webhook": "studio"}  # a queue no worker serves
     cancelled = client.submit(request)
     assert cancelled.cancel() == "queued"
+    stopped = JobEvent(kind="stopped", job_id=cancelled.id, at=0)
+    assert redis_conn.zscore(outbox_key("studio", "due"), delivery_id(stopped)) is not None
     # Abandoned: started by a worker that died, no retries left, its lease long lapsed.
     abandoned = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
     redis_conn.lrem("rq:queue:kiln:tiny-sd15", 0, abandoned)
@@ -381,16 +390,27 @@ def test_every_job_end_outside_a_render_sends_its_webhook_through_a_worker(
     redis_conn.zadd("rq:wip:kiln:tiny-sd15", {f"{abandoned}:dead": 1})
     # Quarantined: a record kiln cannot read, on the queue.
     broken = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
-    redis_conn.hset(f"rq:job:{broken}", "status", "exploded")
-    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15")
+    redis_conn.hset(f"rq:job:{broken}", "timeout", "soon")
+    quick = Fake("tests.fixtures.quick_lease_webhook_worker", {"KILN_FAULTS": "crash@webhook"})
+    first = WorkerProcess(env, tmp_path / "first.log", "--models", "tiny-sd15", fake=quick)
+    second = None
     try:
-        worker.wait_ready(redis_conn)
+        assert first.wait(timeout=90) == CRASH_STATUS, first.output()
+        held: Any = redis_conn.zrange(outbox_key("studio", "taken"), 0, -1)
+        [taken] = held
+        assert hooks.received == []
+        second = WorkerProcess(env, tmp_path / "second.log", "--models", "tiny-sd15")
         deliveries = hooks.wait_for(3, timeout=90)
+        wait_until(lambda: not redis_conn.keys("kiln:webhooks:studio:*"), 10, "all acked")
     finally:
-        worker.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
         hooks.stop()
     ends = {
         (e["job_id"], e["kind"])
         for e in (Webhook(SECRET).verify(d.body, d.headers) for d in deliveries)
     }
     assert ends == {(cancelled.id, "stopped"), (abandoned, "failed"), (broken, "failed")}
+    assert taken.decode() in {d.headers["webhook-id"] for d in deliveries}
+    assert len(deliveries) == 3

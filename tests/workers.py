@@ -18,6 +18,7 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import MANIFESTS, ROOT
+from tests.fixtures.gate import Gate
 from tests.fixtures.pacing import pacing
 
 SLOW_MODEL = "tiny-slow"
@@ -27,25 +28,27 @@ SLOW_MODEL = "tiny-slow"
 class Fake:
     """A worker launcher under tests/fixtures/ that installs one fake, and its parameters."""
 
-    module: str  # e.g. "tests.fixtures.paced_worker"
+    module: str  # e.g. "tests.fixtures.gated_worker"
     env: dict[str, str] = field(default_factory=dict)
 
 
 DIES_AFTER_SAVE = Fake("tests.fixtures.dies_after_save_worker")
 
 
-def paced(seconds: float, lease_s: int | None = None) -> Fake:
-    """A worker whose denoise steps each sleep this long (tests/fixtures/pacing.py); lease_s:
-    its lease, in place of KilnWorker's 10 s (tests/fixtures/paced_worker.py)."""
-    env = {"KILN_TEST_PACE_S": str(seconds)}
+def gated(gate: Gate, lease_s: int | None = None) -> Fake:
+    """A worker whose jobs wait at this gate (tests/fixtures/gate.py) until the test opens it;
+    lease_s: its lease, in place of KilnWorker's 10 s (tests/fixtures/gated_worker.py)."""
+    env = dict(gate.env)
     if lease_s is not None:
         env["KILN_TEST_LEASE_S"] = str(lease_s)
-    return Fake("tests.fixtures.paced_worker", env)
+    return Fake("tests.fixtures.gated_worker", env)
 
 
 def pace_here(monkeypatch: Any, seconds: float) -> None:
-    """The same pacing fake for an in-process worker, undone when the test ends."""
-    from worker.job import RQJobContext
+    """Denoise steps that each take at least this long, for an in-process worker, undone when
+    the test ends: a window of known length for a rate (test_budget), never a synchronisation
+    (a test that acts mid-job holds it at a gate instead: gated(), gate.hold_here())."""
+    from worker.queue.job import RQJobContext
 
     monkeypatch.setattr(RQJobContext, "progress", pacing(seconds))
 

@@ -2,7 +2,7 @@
 the client verbs' handlers are in worker/commands.py. Imports stay inside each verb so
 `kiln --help` never loads torch.
 
-Over 300 lines because the parser declares every flag of a dozen verbs in one place, so
+Over 400 lines because the parser declares every flag of twenty verbs in one place, so
 `kiln --help` and the flags read in one file; each handler here only parses, calls the module
 that owns the work, and prints."""
 
@@ -41,12 +41,26 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         pydantic = sys.modules.get("pydantic")
         if pydantic is not None and isinstance(exc, pydantic.ValidationError):
-            for error in exc.errors():
-                where = "KILN_" + "_".join(str(p) for p in error["loc"]).upper()
-                value = error.get("input")
-                print(f"kiln {args.verb}: {where}={value!r}: {error['msg']}", file=sys.stderr)
+            _print_invalid(args.verb, exc)
             return 2
         raise
+
+
+def _print_invalid(verb: str, exc: Any) -> None:
+    """One line per error of a pydantic ValidationError. Only the Settings model's errors are
+    KILN_* variables; any other model's (a request, a fit or a state read from Redis) name that
+    model and its field, so a bad value in Redis is never blamed on the environment."""
+    from api_client.errors import short
+
+    for error in exc.errors():
+        value = short(error.get("input"), 200)
+        if exc.title == "Settings":
+            where = "KILN_" + "_".join(str(p) for p in error["loc"]).upper()
+            print(f"kiln {verb}: {where}={value!r}: {error['msg']}", file=sys.stderr)
+        else:
+            field = ".".join(str(p) for p in error["loc"]) or "value"
+            message = f"{exc.title} field {field}={value!r}: {error['msg']}"
+            print(f"kiln {verb}: {message}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument(
-        "--models", help="comma-separated model ids to serve (default: all manifests)"
+        "--models",
+        help="comma-separated model ids to serve (default: KILN_MODELS, else every manifest"
+        " whose weights are here)",
     )
     worker.add_argument(
         "--memory-mode", help="auto, or pin a rung: full, partial, model_offload, group_offload"
@@ -135,7 +151,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
     submit.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
+        "--timeout", type=float, default=600.0, help="seconds --wait gives up after (exit 3)"
+    )
+    submit.add_argument(
+        "--queue-anyway",
+        action="store_true",
+        help="--wait even when no live worker serves the model (else: exit 4 within seconds)",
     )
     submit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     submit.set_defaults(handler=commands.submit)
@@ -148,7 +169,12 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("image", help="a PNG, WebP or JPEG that kiln wrote (a path or file:// uri)")
     replay.add_argument("--wait", action="store_true", help="wait for the result, showing progress")
     replay.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds --wait gives up after"
+        "--timeout", type=float, default=600.0, help="seconds --wait gives up after (exit 3)"
+    )
+    replay.add_argument(
+        "--queue-anyway",
+        action="store_true",
+        help="--wait even when no live worker serves the model (else: exit 4 within seconds)",
     )
     replay.add_argument(
         "--json", action="store_true", help="print JSON: the new RenderResult with --wait"
@@ -242,12 +268,63 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--last", type=int, default=10, help="how many ended jobs to show")
     top.set_defaults(handler=commands.top)
 
+    job = verbs.add_parser(
+        "job", help="one job by id: status, queue position, ETA, progress, result or error"
+    )
+    job.add_argument("id")
+    job.add_argument("--json", action="store_true")
+    job.set_defaults(handler=commands.job)
+    cancel = verbs.add_parser(
+        "cancel", help="cancel a job by id (queued: removed; running: stopped at its next step)"
+    )
+    cancel.add_argument("id")
+    cancel.set_defaults(handler=commands.cancel)
+    fetch = verbs.add_parser("fetch", help="a finished job's images into DIR, sha256 checked")
+    fetch.add_argument("id")
+    fetch.add_argument("dir", nargs="?", default=".", type=Path, help="default: here")
+    fetch.set_defaults(handler=commands.fetch)
+    jobs = verbs.add_parser("jobs", help="recent jobs, newest first (from the queues' events)")
+    jobs.add_argument("--model", help="one model's jobs only")
+    jobs.add_argument("--limit", type=int, default=20)
+    jobs.add_argument("--json", action="store_true")
+    jobs.set_defaults(handler=commands.jobs)
+
+    api = verbs.add_parser(
+        "api", help="the HTTP gateway and web page over the same Redis (needs kiln[api])"
+    )
+    api.add_argument("--host", help="bind address (KILN_API_HOST, default 127.0.0.1)")
+    api.add_argument("--port", type=int, help="port (KILN_API_PORT, default 8700)")
+    api.set_defaults(handler=commands.api)
+    api_verbs = api.add_subparsers(title="api commands", metavar="ACTION")
+    token = api_verbs.add_parser("token", help="API tokens, kept hashed in Redis")
+    token_verbs = token.add_subparsers(title="token commands", metavar="ACTION")
+    create = token_verbs.add_parser("create", help="make a token; it is printed once, alone")
+    create.add_argument("name", help="1-64 letters, digits, . _ or -")
+    create.add_argument(
+        "--scope", choices=["jobs", "admin"], default="jobs", help="jobs: its own jobs (default)"
+    )
+    create.set_defaults(handler=commands.token_create)
+    listed = token_verbs.add_parser("list", help="token names, scopes and when each was made")
+    listed.set_defaults(handler=commands.token_list)
+    revoke = token_verbs.add_parser("revoke", help="revoke a token by name, on every replica")
+    revoke.add_argument("name")
+    revoke.set_defaults(handler=commands.token_revoke)
+
     quarantine = verbs.add_parser(
         "quarantine", help="job records kiln could not read or that killed workers, with reasons"
     )
     quarantine.add_argument("--clear", metavar="ID", help="drop this entry (`all`: every entry)")
     quarantine.add_argument("--json", action="store_true", help="one JSON object per entry")
     quarantine.set_defaults(handler=commands.quarantine)
+
+    webhooks = verbs.add_parser(
+        "webhooks",
+        help="deliveries waiting, retrying, and dead letters with the receiver's last answer",
+    )
+    webhooks.add_argument(
+        "--resend", metavar="ID", help="send this dead letter again (same webhook-id, tries reset)"
+    )
+    webhooks.set_defaults(handler=commands.webhooks)
     return parser
 
 
@@ -262,8 +339,10 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.errors import ManifestDirectoryInvalid
     from worker.manifest import load_manifests
 
-    settings = _settings(memory_mode=args.memory_mode, metrics_port=args.metrics_port)
-    only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    settings = _settings(
+        memory_mode=args.memory_mode, metrics_port=args.metrics_port, models=args.models
+    )
+    only = list(settings.models) or None  # --models over KILN_MODELS; none: what is here
     try:
         manifests = load_manifests(settings.manifests, only)
     except ManifestDirectoryInvalid as exc:
@@ -308,7 +387,7 @@ def _manifests_publish(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from worker.doctor import run_doctor
+    from worker.ops.doctor import run_doctor
 
     return run_doctor(_settings(), model=args.model, profile=args.profile, as_json=args.json)
 
@@ -316,7 +395,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     from worker.errors import ManifestDirectoryInvalid
     from worker.manifest import load_manifests
-    from worker.pull import PullError, pull
+    from worker.pipelines.pull import PullError, pull
 
     settings = _settings()
     only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
@@ -332,7 +411,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from worker import logs
-    from worker.bench import run_bench
+    from worker.ops.bench import run_bench
 
     settings = _settings()
     logs.configure("json", quiet=True)
@@ -341,7 +420,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from worker import logs
-    from worker.profile import run_profile
+    from worker.ops.profile import run_profile
 
     request: dict[str, Any] = {"model": args.model, "prompt": args.prompt, "seed": args.seed}
     for field in ("steps", "width", "height"):
@@ -364,7 +443,7 @@ def _tiny_models(args: argparse.Namespace) -> int:
     from worker.logs import quiet_libraries
 
     quiet_libraries()  # before torch and diffusers are imported
-    from worker.tiny import build_tiny_models
+    from worker.pipelines.tiny import build_tiny_models
 
     directory = args.dir or _settings().models_dir
     started = time.perf_counter()
@@ -376,7 +455,7 @@ def _tiny_models(args: argparse.Namespace) -> int:
 
 
 def _timings(args: argparse.Namespace) -> int:
-    from worker.report import run_report
+    from worker.ops.report import run_report
 
     settings = _settings()
     return run_report(

@@ -102,9 +102,14 @@ class StoreUnavailable(OutputError):
     timed-out connection, a network mount that went away. The job can go back on its queue and
     run again later instead of failing for good; its files were removed. str() names the job's
     key or path and the store's words; `cause` is the store's words alone, for the failure once
-    the retries are spent. (A sibling of store.StoreError, not a subclass: the local directory's
-    outages are OutputErrors too, and this module imports nothing of the store.)"""
+    the retries are spent. (A sibling of StoreError, not a subclass: the local directory's
+    outages are OutputErrors too.)"""
 
     def __init__(self, message: str, cause: str) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class StoreError(OutputError):
+    """The S3 store cannot take or give a job's files, or KILN_OUTPUT_URL names no bucket; the
+    message names endpoint, bucket and key (never a credential). Raised by worker.files.s3."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,13 +10,18 @@ from redis import Redis
 
 from api_client import keys
 from api_client.errors import Problem
-from api_client.manifest import Manifest, ManifestInvalid, load_manifest_dir
+from api_client.manifest import Manifest, ManifestDirs, ManifestInvalid, load_manifest_dir
 from worker.errors import ManifestDirectoryInvalid
 
 
-def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, Manifest]:
-    """All manifests in directory, or ManifestDirectoryInvalid naming each problem in each file."""
-    manifests, failures = load_manifest_dir(directory)
+def load_manifests(
+    directory: Path | Iterable[Path], only: list[str] | None = None
+) -> dict[str, Manifest]:
+    """All manifests in directory, or in each directory in order (settings.manifests: the shipped
+    ones, then KILN_MANIFESTS's, a later one replacing an earlier one of the same id); or
+    ManifestDirectoryInvalid naming each problem in each file, and each directory not found."""
+    dirs = [directory] if isinstance(directory, Path) else list(directory)
+    manifests, failures = load_manifest_dir(dirs)
     if failures:
         raise ManifestDirectoryInvalid(failures)
     if only:
@@ -24,7 +30,8 @@ def load_manifests(directory: Path, only: list[str] | None = None) -> dict[str, 
             problems = [
                 Problem("model", model_id, "no manifest with this id") for model_id in unknown
             ]
-            raise ManifestDirectoryInvalid([ManifestInvalid(directory, problems)])
+            where = Path(str(ManifestDirs(dirs)))  # every directory read, as KILN_MANIFESTS
+            raise ManifestDirectoryInvalid([ManifestInvalid(where, problems)])
         manifests = {model_id: manifests[model_id] for model_id in only}
     return manifests
 

@@ -2,8 +2,8 @@
 the decision code runs in the tests while tensors stay on the real device.
 
 A profile is data only (no torch import): settings validates names against it, and
-worker.device turns one into the DeviceInfo the rest of the worker decides with. Memory is the
-datasheet capacity in GiB (1024**3 bytes, how the vendors' GB count HBM/GDDR); what a running
+worker.memory.device turns one into the DeviceInfo the rest of the worker decides with. Memory is
+the datasheet capacity in GiB (1024**3 bytes, how the vendors' GB count HBM/GDDR); what a running
 worker sees is less by `overhead_gib`: the CUDA/HIP context, library workspaces, and what the
 driver keeps back (ECC, reserved). The overheads are kiln's assumption, not measurements, unless
 the source line says otherwise; `bench/gpu_check.py` compares a profile with the card it runs on.

@@ -1,4 +1,6 @@
-"""`kiln worker`: probe the device, build the renderer, connect to Redis and work the queues."""
+"""`kiln worker`: probe the device, connect to Redis, build every collaborator of the worker here
+(the composition root: queues, lane order, record publisher, webhook dispatcher, renderer) and
+hand each in, then work the queues."""
 
 from __future__ import annotations
 
@@ -13,11 +15,10 @@ import structlog
 from api_client.manifest import Manifest
 from api_client.redact import redact
 from worker import logs, quiet
-from worker.errors import InvalidFaults
-from worker.faults import FaultPlan
-from worker.settings import Settings
-from worker.store import StoreError, open_store
-from worker.webhooks import WebhooksInvalid, parse_targets
+from worker.errors import InvalidFaults, StoreError
+from worker.files.store import open_store
+from worker.memory.faults import FaultPlan, arm_crashes
+from worker.settings import Settings, WebhooksInvalid, parse_targets
 
 log = structlog.get_logger("kiln.worker")
 
@@ -32,7 +33,8 @@ def serve(
 ) -> int:
     logs.configure(settings.log_format, secrets=settings.secrets())
     try:
-        FaultPlan.parse(settings.faults)
+        faults = FaultPlan.parse(settings.faults)
+        armed = arm_crashes(settings.faults)
         open_store(settings)  # a malformed KILN_OUTPUT_URL stops the worker here, not per job
         targets = parse_targets(settings.webhooks)
         logs.configure(
@@ -42,34 +44,66 @@ def serve(
     except (InvalidFaults, WebhooksInvalid, StoreError) as exc:
         log.error("invalid_settings", error=str(exc))
         return 1
+    from worker.queue.lease import worker_connection
+    from worker.queue.pulse import watch_connection
+
+    # Redis first, before any weight or import: an unreachable Redis is logged at the first
+    # failed try (redis_lost, then redis_regained or the error), not after a minute of silence.
+    connection = worker_connection(settings.redis_url)
+    watch_connection(connection)
+    connection.ping()
     servable = sorted(m.id for m in manifests.values() if not m.benchmark_only)
+    if not settings.models:
+        # None named (--models, KILN_MODELS): serve what is here, never start pulling the
+        # weights of every model kiln ships.
+        from worker.pipelines.pull import missing
+
+        absent = missing({m: manifests[m] for m in servable}, settings.models_dir)
+        servable = [m for m in servable if m not in absent]
     if not servable:
-        log.error("no_models", error="no servable manifests (all missing or benchmark_only)")
+        log.error("no_models", error=nothing_to_serve(settings, manifests))
         return 1
     # Weights before jobs: a download never runs under a job's timeout.
     if not ensure_weights(settings, {m: manifests[m] for m in servable}):
         return 1
     # Heavy imports only now, and all of them before the first job, so no job pays them.
     started = time.perf_counter()
-    from worker import device as dev
-    from worker.loading import import_pipeline_classes
-    from worker.queue import make_worker, worker_connection
-    from worker.render import Renderer
+    from worker.memory import device as dev
+    from worker.pipelines.loading import import_pipeline_classes
+    from worker.queue.build import make_worker, open_queues
+    from worker.queue.lanes import LaneOrder
+    from worker.queue.publisher import RecordPublisher
+    from worker.queue.webhooks import Dispatcher
+    from worker.render.renderer import Renderer
 
     import_pipeline_classes([manifests[m] for m in servable])
     logs.route_library_logs()  # diffusers and transformers log through their own handlers
     imported = time.perf_counter()
     info = dev.probe(settings)
-    connection = worker_connection(settings.redis_url)
-    connection.ping()
     name = name or default_worker_name()
-    renderer = Renderer(settings, manifests, info, worker_name=name)
-    worker = make_worker(connection, renderer, servable)
+    # Every collaborator built here, once, and handed in: no constructor rewires another.
+    queues = open_queues(connection, servable)
+    lanes = LaneOrder(queues)  # the order of the next pop, and so the model read ahead
+    records = RecordPublisher()  # each job's record: metrics and the model's timing fit
+    webhooks = Dispatcher.from_settings(settings, targets, connection)
+    renderer = Renderer(
+        settings,
+        manifests,
+        info,
+        worker_name=name,
+        on_record=records,
+        faults=faults,
+        webhook_targets=targets,
+        upcoming=lanes.upcoming_model,
+    )
+    worker = make_worker(
+        connection, renderer, queues, lanes=lanes, records=records, webhooks=webhooks
+    )
     set_up = time.perf_counter()
     if prewarm:
         warm(renderer, servable, worker.name)
     if settings.metrics_port:
-        from worker.metrics import start_metrics
+        from worker.queue.metrics import start_metrics
 
         start_metrics(settings.metrics_port, connection, servable)
     log.info(
@@ -82,6 +116,8 @@ def serve(
         torchao_not_loaded=quiet.torchao_missing(),
         memory_mode=settings.memory_mode,
         free_gb=round(info.free_bytes / 1e9, 2),
+        # KILN_FAULTS crash@POINT drills armed in this process (it ends itself at each)
+        **({"crash_points": armed} if armed else {}),
         redis=redacted(settings.redis_url),
         startup_s={
             "import": round(imported - started, 3),
@@ -103,9 +139,25 @@ def serve(
     return 1
 
 
+def nothing_to_serve(settings: Settings, manifests: dict[str, Manifest]) -> str:
+    """Why a worker serves nothing: the models it found, and how to serve one."""
+    found = ", ".join(sorted(manifests)) or "none"
+    if settings.models:
+        why = f"every model named is benchmark_only (listed for `kiln bench`): {found}"
+    else:
+        why = (
+            f"no model named (--models, KILN_MODELS) and none found has its weights in"
+            f" {settings.models_dir} or the Hugging Face cache; found: {found}"
+        )
+    return (
+        f"{why}. Serve one with `kiln worker --models ID` or KILN_MODELS=ID[,ID...] (its weights"
+        " are pulled first; `kiln tiny-models` builds the tiny-* ones)"
+    )
+
+
 def ensure_weights(settings: Settings, manifests: dict[str, Manifest]) -> bool:
     """Pull whatever the served models lack (progress in the log); False when that fails."""
-    from worker.pull import PullError, missing, pull
+    from worker.pipelines.pull import PullError, missing, pull
 
     gaps = missing(manifests, settings.models_dir)
     if not gaps:
@@ -130,7 +182,7 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     import shutil
     import uuid
 
-    from worker.context import LocalContext
+    from worker.render.context import LocalContext
 
     # Unique per start: a fixed id would be answered from the last start's files on disk, and
     # the warm-up (load, compile) would silently not happen.

@@ -1,19 +1,54 @@
-"""Worker settings: the only module that reads KILN_* environment variables."""
+"""Worker settings: the only module that reads KILN_* environment variables, and the typed
+values parsed from them once at start (webhook targets: KILN_WEBHOOKS's grammar below)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlparse
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from api_client.manifest import Switch, SwitchName
+from api_client.errors import Problem, RequestRejected
+from api_client.manifest import ManifestDirs, Switch, SwitchName, manifest_dirs
 from api_client.redact import redact
-from api_client.schema import Rung
+from api_client.schema import WEBHOOK_NAME, RenderRequest, Rung
+from api_client.webhooks import secret_key
 
 MemoryMode = Literal["auto", Rung]
 SWITCH_NAMES: tuple[SwitchName, ...] = get_args(SwitchName)
+
+
+def data_dir() -> Path:
+    """kiln's per-user data directory, where models and outputs go when KILN_MODELS_DIR and
+    KILN_OUTPUT_DIR are unset: $XDG_DATA_HOME/kiln (~/.local/share/kiln) on Linux,
+    ~/Library/Application Support/kiln on macOS, %LOCALAPPDATA%\\kiln on Windows."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "kiln"
+    if sys.platform == "win32":
+        local = os.environ.get("LOCALAPPDATA")
+        return (Path(local) if local else Path.home() / "AppData" / "Local") / "kiln"
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    # The XDG spec: a relative value is invalid and is ignored.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
+    return base / "kiln"
+
+
+def _timings_log(data: dict[str, Any]) -> Path:
+    return Path(data.get("output_dir") or data_dir() / "outputs") / "timings.jsonl"
 
 
 class Settings(BaseSettings):
@@ -27,11 +62,24 @@ class Settings(BaseSettings):
         "redis://localhost:6379/0",
         description="redis://, rediss://, unix:// or redis+sentinel://HOSTS/SERVICE[/db] URL",
     )
-    manifests: Path = Field(Path("manifests"), description="Directory of <model id>.yaml manifests")
-    models_dir: Path = Field(
-        Path("models"), description="Where manifest sources that are paths resolve"
+    manifests: Annotated[ManifestDirs, NoDecode] = Field(
+        default_factory=manifest_dirs,
+        description="Manifest directories (os.pathsep separated) read after the shipped ones;"
+        " a manifest there replaces a shipped one with the same id",
     )
-    output_dir: Path = Field(Path("outputs"), description="Images land in <output_dir>/<job id>/")
+    models: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Model ids this worker serves, comma separated (--models overrides); unset:"
+        " every manifest whose weights are already here",
+    )
+    models_dir: Path = Field(
+        default_factory=lambda: data_dir() / "models",
+        description="Where manifest sources that are paths resolve; default: the data directory",
+    )
+    output_dir: Path = Field(
+        default_factory=lambda: data_dir() / "outputs",
+        description="Images land in <output_dir>/<job id>/; default: the data directory",
+    )
     output_url: str | None = Field(
         None, description="Where results go: a directory or s3://bucket/prefix; unset = output_dir"
     )
@@ -56,11 +104,15 @@ class Settings(BaseSettings):
         "",
         description='Webhook targets: JSON {"name": {"url", "secret"}} or a JSON file path',
     )
-    webhook_attempts: int = Field(10, ge=1, description="Tries per webhook delivery")
-    webhook_backoff_s: float = Field(
-        1.0, gt=0, description="First retry delay; doubles per try, capped at 60 s"
+    webhook_retries: Annotated[tuple[float, ...], NoDecode] = Field(
+        (5, 60, 300, 1800, 7200, 21600),
+        description="Seconds between a webhook delivery's tries, comma separated (1 try more "
+        "than there are numbers); after the last it is a dead letter (`kiln webhooks`)",
     )
-    timings_log: Path = Field(Path("outputs/timings.jsonl"), description="One JSON line per job")
+    timings_log: Path = Field(
+        default_factory=_timings_log,
+        description="One JSON line per job; default: timings.jsonl in output_dir",
+    )
     device: Literal["auto", "cuda", "cpu", "mps"] = Field(
         "auto", description="auto picks cuda, then mps, then cpu"
     )
@@ -137,14 +189,42 @@ class Settings(BaseSettings):
             )
         return url
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _model_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("webhook_retries", mode="before")
+    @classmethod
+    def _retry_schedule(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = tuple(float(part) for part in value.split(",") if part.strip())
+            except ValueError:
+                raise ValueError(f"must be seconds, comma separated, got {value!r}") from None
+        if isinstance(value, tuple) and any(not 0 <= s < 10**7 for s in value):
+            raise ValueError(f"each delay must be 0 to 10**7 seconds, got {value!r}")
+        return value
+
     @property
     def store_location(self) -> str:
         """KILN_OUTPUT_URL, or KILN_OUTPUT_DIR when that is unset (today's behaviour)."""
         return self.output_url or str(self.output_dir)
 
+    @property
+    def published_store(self) -> str:
+        """The store as clients judge input uris against it: s3://bucket/prefix as given, a
+        directory as its absolute path (a relative one means nothing on another host)."""
+        location = self.store_location
+        if location.startswith("s3://"):
+            return location.rstrip("/")
+        path = urlparse(location).path if location.startswith("file://") else location
+        return str(Path(path).resolve())
+
     def secrets(self) -> list[str]:
         """Values no log line or message may show (see api_client.redact)."""
-        from urllib.parse import urlparse
 
         found = [urlparse(self.redis_url).password or ""]
         if self.aws_secret_access_key is not None:
@@ -164,3 +244,70 @@ class Settings(BaseSettings):
     def switch(self, name: SwitchName) -> Switch:
         value: Switch = getattr(self, name)
         return value
+
+
+class WebhooksInvalid(ValueError):
+    """KILN_WEBHOOKS cannot be used; the message names the target and field, never a secret."""
+
+
+class WebhookTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    secret: str
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or not rest.split("/")[0]:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return url
+
+    @field_validator("secret")
+    @classmethod
+    def _whsec(cls, secret: str) -> str:
+        secret_key(secret)  # its ValueError names the expected form, never the secret
+        return secret
+
+
+def parse_targets(raw: str) -> dict[str, WebhookTarget]:
+    """KILN_WEBHOOKS as targets by name; {} when unset."""
+    text = raw.strip()
+    if not text:
+        return {}
+    if not text.startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise WebhooksInvalid(f"KILN_WEBHOOKS file {raw!r} cannot be read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WebhooksInvalid(f"KILN_WEBHOOKS is not valid JSON: {exc.msg} at {exc.pos}") from None
+    if not isinstance(data, dict):
+        raise WebhooksInvalid('KILN_WEBHOOKS must be an object {"name": {"url", "secret"}}')
+    targets: dict[str, WebhookTarget] = {}
+    for name, spec in data.items():
+        if not WEBHOOK_NAME.fullmatch(name):
+            raise WebhooksInvalid(f"KILN_WEBHOOKS target name {name!r}: 1-64 of [A-Za-z0-9_.-]")
+        try:
+            targets[name] = WebhookTarget.model_validate(spec)
+        except ValidationError as exc:
+            # Each error names the field and rule; the input (maybe the secret) is left out.
+            rules = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'target'}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise WebhooksInvalid(f"KILN_WEBHOOKS target {name!r}: {rules}") from None
+    return targets
+
+
+def check_target(request: RenderRequest, targets: Mapping[str, WebhookTarget]) -> None:
+    """The worker's own check: a request may only name a target this worker knows."""
+    if request.webhook is None:
+        return
+    if request.webhook not in targets:
+        known = ", ".join(sorted(targets)) or "none"
+        rule = f"unknown webhook target; this worker is configured with: {known}"
+        raise RequestRejected([Problem("webhook", request.webhook, rule)], model=request.model)

@@ -1,0 +1,485 @@
+"""/v1: the job API. Every route here is declared on `router`, which app.py mounts under the
+auth dependency: none of them can be reached without a token or the page's cookie.
+
+Routes are plain defs unless they stream: FastAPI runs them in its thread pool, where the
+synchronous KilnClient (the Python client, unchanged) does the work. The event stream is async
+and reads through the gateway's one EventHub.
+
+Over 400 lines because every /v1 route stands here with the responses it declares to the OpenAPI
+document (schemathesis holds each answer to them), beside the few helpers they share (owned_job,
+links, with_urls, in_published_store); one router is what app.py hangs under auth."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated, Any
+from urllib.parse import unquote, urlparse
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import RedirectResponse, StreamingResponse
+
+from api_client import events, inputs, keys
+from api_client.client import JOB_ID, KilnClient
+from api_client.errors import Problem, RenderFailed, RequestRejected, UnknownJob
+from api_client.fetch import FetchFailed, fetch_image
+from api_client.http.auth import caller
+from api_client.http.hub import EventHub
+from api_client.http.tokens import Caller, Tokens
+from api_client.http.views import (
+    PROBLEM_JSON,
+    Canceled,
+    JobCreated,
+    JobLinks,
+    JobList,
+    JobView,
+    ModelList,
+    ModelView,
+    ProblemDetail,
+    QueueList,
+    QueueView,
+    Uploaded,
+    WorkerList,
+    WorkerView,
+)
+from api_client.job import KilnJob
+from api_client.schema import JobEvent, RenderRequest, RenderResult
+
+KEEPALIVE_S = 15.0
+EVENT_ID = re.compile(r"0|\d{1,20}-\d{1,20}")
+UPLOAD_TYPES = ("image/png", "image/jpeg", "image/webp")
+MAX_LIST = 100
+BINARY = {"type": "string", "format": "binary"}
+
+router = APIRouter(prefix="/v1")
+
+
+def _problem(status: int, description: str) -> dict[str, Any]:
+    # The schema goes under problem+json, the type every refusal is sent as ("model" only
+    # registers the component; FastAPI also lists it under application/json).
+    schema = {"$ref": "#/components/schemas/ProblemDetail"}
+    return {
+        "model": ProblemDetail,
+        "description": description,
+        "content": {PROBLEM_JSON: {"schema": schema}},
+    }
+
+
+Responses = dict[int | str, dict[str, Any]]
+REFUSED: Responses = {
+    401: _problem(401, "no valid token or session"),
+    403: _problem(403, "a scope, or a cross-origin request, refused"),
+    421: _problem(421, "a Host not in KILN_API_HOSTS"),
+}
+INVALID: Responses = {
+    422: _problem(422, "a parameter or header breaks its rule (errors: field, value, rule)")
+}
+JOB_REFUSED: Responses = {
+    **REFUSED,
+    **INVALID,
+    404: _problem(404, "no such job, or not the caller's"),
+}
+UNREADABLE: Responses = {400: _problem(400, "a body that cannot be read (not UTF-8 JSON)")}
+REJECTED: Responses = {
+    422: _problem(
+        422, "the request breaks its manifest or the schema (errors: field, value, rule)"
+    ),
+    413: _problem(413, "a body over KILN_API_MAX_BODY_MB"),
+    409: _problem(409, "the job id names another caller's job"),
+}
+
+
+def client_of(request: Request) -> KilnClient:
+    client: KilnClient = request.app.state.client
+    return client
+
+
+def tokens_of(request: Request) -> Tokens:
+    tokens: Tokens = request.app.state.tokens
+    return tokens
+
+
+Client = Annotated[KilnClient, Depends(client_of)]
+Auth = Annotated[Caller, Depends(caller)]
+
+
+def links(request: Request, job_id: str) -> JobLinks:
+    base = f"/v1/jobs/{job_id}"
+    root = request.scope.get("root_path", "")
+    return JobLinks(
+        self=f"{root}{base}", events=f"{root}{base}/events", cancel=f"{root}{base}/cancel"
+    )
+
+
+def owned_job(request: Request, who: Caller, job_id: str) -> KilnJob:
+    """The caller's job, or 404 (another caller's job is 404 too: its existence is not theirs
+    to learn)."""
+    # An id RQ could never have made is no job (RQ's fetch would raise ValueError: a 500).
+    if not JOB_ID.fullmatch(job_id) or not tokens_of(request).owns(who, job_id):
+        raise HTTPException(404, f"no job {job_id[:200]!r} of yours")
+    return client_of(request).job(job_id)
+
+
+# -- models, workers, queues ---------------------------------------------------------------------
+
+
+@router.get("/models", response_model=ModelList, responses=REFUSED)
+def list_models(client: Client, who: Auth) -> ModelList:
+    """Every model a request may name (the shipped manifests, KILN_MANIFESTS, what workers
+    published): what the page's form follows, with the workers serving each (none: its jobs
+    wait), queue depths and ETAs."""
+    return ModelList(
+        models=[
+            ModelView(
+                manifest=info.manifest,
+                workers=info.workers,
+                resident_on=info.resident_on,
+                queued=info.queued,
+                blocked=info.blocked,
+                default_eta_s=info.default_eta_s,
+                eta_now_s=info.eta_now_s(),
+            )
+            for info in client.models()
+            if not info.manifest.benchmark_only
+        ]
+    )
+
+
+@router.get("/workers", response_model=WorkerList, responses=REFUSED)
+def list_workers(client: Client, who: Auth) -> WorkerList:
+    """Live workers (what `kiln top` shows): models, resident rungs, free memory, the running
+    job and where it is."""
+    views = []
+    for state in sorted(client.workers(), key=lambda s: s.name):
+        progress = None
+        if state.running:
+            try:
+                progress = client.job(state.running).progress()
+            except (UnknownJob, RenderFailed):
+                progress = None
+        views.append(WorkerView(state=state, progress=progress))
+    return WorkerList(workers=views)
+
+
+@router.get("/queues", response_model=QueueList, responses=REFUSED)
+def list_queues(client: Client, who: Auth) -> QueueList:
+    """Each served or non-empty queue: depth, serving workers, the ETA of a job sent now."""
+    queues = []
+    for info in client.models():
+        for lane in keys.LANES:
+            depth = info.queued.get(lane, 0)
+            if info.workers or depth:
+                queues.append(
+                    QueueView(
+                        model=info.manifest.id,
+                        lane=lane,
+                        depth=depth,
+                        workers=info.workers,
+                        eta_now_s=info.eta_now_s(lane),
+                    )
+                )
+    return QueueList(queues=queues)
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+
+def _submit(
+    request: Request, who: Caller, body: RenderRequest, job_id: str | None
+) -> tuple[KilnJob, bool]:
+    """Submit for the caller; (job, created). An id that names another caller's job is 409."""
+    tokens = tokens_of(request)
+    client = client_of(request)
+    existed = job_id is not None and request_exists(client, job_id)
+    if existed and job_id is not None and not tokens.owns(who, job_id):
+        raise HTTPException(409, f"job id {job_id[:200]!r} is taken: choose another")
+    job = client.submit(body, job_id=job_id)
+    if not job.created and not existed and not tokens.owns(who, job.id):
+        raise HTTPException(409, f"job id {job.id[:200]!r} is taken: choose another")
+    tokens.record_job(who, job.id)
+    return job, job.created
+
+
+def request_exists(client: KilnClient, job_id: str) -> bool:
+    return bool(client.connection.exists(keys.rq_job_key(job_id)))
+
+
+def _created(request: Request, response: Response, job: KilnJob, created: bool) -> JobCreated:
+    response.status_code = 201 if created else 200
+    response.headers["Location"] = links(request, job.id).self
+    status = "queued" if created else job.status()  # a job just enqueued is queued: no read
+    return JobCreated(id=job.id, status=status, urls=links(request, job.id))
+
+
+@router.post(
+    "/jobs",
+    response_model=JobCreated,
+    status_code=201,
+    responses={
+        **REFUSED,
+        **REJECTED,
+        **UNREADABLE,
+        200: {"model": JobCreated, "description": "the same job"},
+    },
+)
+def create_job(
+    body: RenderRequest,
+    request: Request,
+    response: Response,
+    who: Auth,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> JobCreated:
+    """Validate against the model's manifest and enqueue. With Idempotency-Key, the same key
+    (from the same caller) returns the same job and never renders twice."""
+    job_id = None
+    if idempotency_key is not None:
+        job_id = (
+            "idem-" + hashlib.sha256(f"{who.name}\n{idempotency_key}".encode()).hexdigest()[:40]
+        )
+    job, created = _submit(request, who, body, job_id)
+    return _created(request, response, job, created)
+
+
+@router.put(
+    "/jobs/{job_id}",
+    response_model=JobCreated,
+    responses={
+        **REFUSED,
+        **REJECTED,
+        **UNREADABLE,
+        201: {"model": JobCreated, "description": "created"},
+    },
+)
+def put_job(
+    job_id: str, body: RenderRequest, request: Request, response: Response, who: Auth
+) -> JobCreated:
+    """Create the job under this id; the same request again is the same job (200), a different
+    one under the same id is refused (422, field job_id)."""
+    job, created = _submit(request, who, body, job_id)
+    return _created(request, response, job, created)
+
+
+@router.get("/jobs", response_model=JobList, responses={**REFUSED, **INVALID})
+def list_jobs(
+    request: Request,
+    who: Auth,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 20,
+) -> JobList:
+    """The caller's recent jobs made through a gateway, newest first (an admin's: everyone's)."""
+    ids = tokens_of(request).recent_jobs(who, limit)
+    client = client_of(request)
+    views = [view_job(request, client.job(job_id), eta=False) for job_id in ids]
+    return JobList(jobs=[view for view in views if view is not None])
+
+
+@router.get("/jobs/{job_id}", response_model=JobView, responses=JOB_REFUSED)
+def read_job(job_id: str, request: Request, who: Auth) -> JobView:
+    """Status, queue position, ETA, progress, and the result or the worker's error."""
+    view = view_job(request, owned_job(request, who, job_id), eta=True)
+    if view is None:
+        raise HTTPException(404, f"no job {job_id[:200]!r} (never submitted, or expired)")
+    return view
+
+
+def view_job(request: Request, job: KilnJob, eta: bool) -> JobView | None:
+    """The job as the API shows it (the Python client's job.snapshot(), its image URLs this
+    gateway's); None when Redis holds no such job."""
+    try:
+        snapshot = job.snapshot(eta=eta)
+    except UnknownJob:
+        return None
+    if snapshot.result is not None:
+        snapshot.result = with_urls(request, job.id, snapshot.result)
+    return JobView(**dict(snapshot), urls=links(request, job.id))
+
+
+def with_urls(request: Request, job_id: str, result: RenderResult) -> RenderResult:
+    """result.images[].url: this gateway's URL for a local store; S3's presigned URL stays."""
+    root = request.scope.get("root_path", "")
+    images = [
+        image
+        if image.uri and image.uri.startswith("s3://") and image.url
+        else image.model_copy(update={"url": f"{root}/v1/jobs/{job_id}/images/{n}"})
+        for n, image in enumerate(result.images)
+    ]
+    return result.model_copy(update={"images": images})
+
+
+@router.post(
+    "/jobs/{job_id}/cancel", response_model=Canceled, status_code=202, responses=JOB_REFUSED
+)
+def cancel_job(job_id: str, request: Request, who: Auth) -> Canceled:
+    """Queued: removed from its queue. Running: stopped at the next denoise step."""
+    job = owned_job(request, who, job_id)
+    try:
+        return Canceled(status=job.cancel())
+    except UnknownJob:
+        raise HTTPException(404, f"no job {job_id[:200]!r} (never submitted, or expired)") from None
+
+
+@router.get(
+    "/jobs/{job_id}/images/{n}",
+    responses={
+        **JOB_REFUSED,
+        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+        307: {"description": "a presigned URL of the image in S3"},
+    },
+    response_class=Response,
+)
+def job_image(job_id: str, n: int, request: Request, who: Auth) -> Response:
+    """One image of a finished job: its bytes (sha256 checked) from a local store, or a
+    redirect to a presigned URL in S3."""
+    job = owned_job(request, who, job_id)
+    try:
+        result = job.result()
+    except (UnknownJob, RenderFailed):
+        result = None
+    if result is None or not 0 <= n < len(result.images):
+        raise HTTPException(404, f"job {job_id[:200]!r} has no image {n}")
+    image = result.images[n]
+    if image.uri and image.uri.startswith("s3://"):
+        if not image.url:
+            raise HTTPException(404, "the image is in S3 and has no presigned URL")
+        return RedirectResponse(image.url, status_code=307)
+    if not in_published_store(client_of(request), image.uri or image.path or ""):
+        raise HTTPException(404, "the image lies outside every store the workers published")
+    try:
+        data = fetch_image(image)
+    except FetchFailed as exc:
+        raise HTTPException(404, str(exc)) from None
+    return Response(data, media_type=f"image/{image.format}", headers=PRIVATE_CACHE)
+
+
+PRIVATE_CACHE = {"Cache-Control": "private, max-age=3600"}
+
+
+def in_published_store(client: KilnClient, where: str) -> bool:
+    """Whether a file the gateway is about to read lies in a store a worker published (the
+    gateway never reads a path a Redis entry merely names)."""
+    stores = client.connection.smembers(keys.STORES_KEY)
+    if not where:
+        return False
+    path = unquote(urlparse(where).path) if where.startswith("file://") else where
+    ref = inputs.InputRef(kind="file", uri=where, path=path)
+    return any(inputs.within_store(ref, s.decode() if isinstance(s, bytes) else s) for s in stores)
+
+
+@router.get(
+    "/jobs/{job_id}/preview",
+    responses={**JOB_REFUSED, 200: {"content": {"image/jpeg": {}}}},
+    response_class=Response,
+)
+def job_preview(job_id: str, request: Request, who: Auth) -> Response:
+    """The latest TAESD preview of a running job (404 until there is one)."""
+    job = owned_job(request, who, job_id)
+    connection = client_of(request).connection
+    entries: Any = connection.xrevrange(keys.events_key(job.id), count=50)
+    for _entry_id, fields in entries or []:
+        try:
+            event = JobEvent.model_validate_json(fields[events.FIELD])
+        except (KeyError, ValueError):
+            continue
+        if event.kind in ("queued", "started"):
+            break
+        if event.kind != "preview" or event.preview is None:
+            continue
+        data = event.preview.jpeg()
+        if data is not None:
+            return Response(data, media_type="image/jpeg", headers={"Cache-Control": "no-store"})
+        if event.preview.url:
+            return RedirectResponse(event.preview.url, status_code=307)
+        uri = event.preview.uri
+        if uri.startswith("file://") and in_published_store(client_of(request), uri):
+            try:
+                with open(unquote(urlparse(uri).path), "rb") as file:
+                    return Response(file.read(), media_type="image/jpeg")
+            except OSError:
+                break
+        break
+    raise HTTPException(404, f"job {job_id[:200]!r} has no preview now")
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    responses={**JOB_REFUSED, 200: {"content": {"text/event-stream": {}}}},
+    response_class=StreamingResponse,
+)
+async def job_events(
+    job_id: str,
+    request: Request,
+    who: Auth,
+    last_event_id: Annotated[str | None, Header()] = None,
+    after: Annotated[str | None, Query(description="resume after this event id")] = None,
+) -> StreamingResponse:
+    """The job's events as Server-Sent Events (event: its kind, id: its stream id, data: the
+    JobEvent), from the start or after Last-Event-ID (or ?after=); closes after the end event,
+    with a comment every 15 s in between."""
+    resume = last_event_id or after or "0"
+    if not EVENT_ID.fullmatch(resume):
+        problem = Problem("Last-Event-ID", resume[:100], "must be an event id like 1700000000000-0")
+        raise RequestRejected([problem])
+    job = await run_in_threadpool(owned_job, request, who, job_id)
+    await run_in_threadpool(job.status)  # UnknownJob -> 404 before the stream starts
+    hub: EventHub = request.app.state.hub
+
+    async def stream() -> Any:
+        yield ": kiln events\n\n"
+        async for event in hub.watch(keys.events_key(job.id), resume, KEEPALIVE_S):
+            if event is None:
+                if await run_in_threadpool(ended_without_event, job):
+                    return
+                yield ": keepalive\n\n"
+                continue
+            if event.result is not None:
+                event.result = with_urls(request, job.id, event.result)
+            data = event.model_dump_json(exclude_none=True)
+            yield f"id: {event.id}\nevent: {event.kind}\ndata: {data}\n\n"
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
+
+
+def ended_without_event(job: KilnJob) -> bool:
+    """A job can end with no event on its stream (quarantined, deleted): the stream closes."""
+    try:
+        return job.status() in ("finished", "failed", "stopped", "canceled")
+    except (UnknownJob, RenderFailed):
+        return True
+
+
+# -- uploads -------------------------------------------------------------------------------------
+
+
+@router.post(
+    "/uploads",
+    response_model=Uploaded,
+    status_code=201,
+    responses={
+        **REFUSED,
+        **REJECTED,
+        415: _problem(415, "not image/png, image/jpeg or image/webp"),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                kind: {"schema": {"type": "string", "format": "binary"}} for kind in UPLOAD_TYPES
+            },
+        }
+    },
+)
+async def upload(request: Request, who: Auth) -> Uploaded:
+    """An input image for img2img, inpaint or edit, checked as client.upload checks it; its
+    kiln-input: uri goes in a request's image or mask."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind not in UPLOAD_TYPES:
+        raise HTTPException(415, f"Content-Type {kind[:80]!r}: send {', '.join(UPLOAD_TYPES)}")
+    data = await request.body()
+    client = client_of(request)
+    uri = await run_in_threadpool(client.upload, data)
+    found = inputs.inspect_image(data, max_bytes=int(client.input_max_mb * inputs.MB))
+    return Uploaded(uri=uri, sha256=found.sha256, width=found.width, height=found.height)

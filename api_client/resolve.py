@@ -1,0 +1,204 @@
+"""A request against its manifest: defaults filled in, every limit checked, the worker's
+servable models; shared by the client (before enqueueing) and the worker (never trust the queue).
+Each rule names its field, value and limit in its own words (RequestRejected)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from api_client.errors import Problem, RequestRejected, short
+from api_client.loras import resolve_loras
+from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest
+from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest
+
+
+def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest:
+    """Fill defaults from the manifest and check every limit; RequestRejected names each break.
+
+    Nothing is clamped: a value over its limit is an error, not a quietly smaller job.
+    """
+    if request.model != manifest.id:
+        raise RequestRejected(
+            [Problem("model", request.model, f"does not match manifest {manifest.id!r}")]
+        )
+    problems: list[Problem] = []
+    steps = manifest.steps.default if request.steps is None else request.steps
+    guidance = manifest.guidance.default if request.guidance is None else request.guidance
+    default_w, default_h = manifest.default_size
+    width = default_w if request.width is None else request.width
+    height = default_h if request.height is None else request.height
+    seed = random.randint(0, MAX_SEED) if request.seed is None else request.seed
+
+    if not request.prompt.strip():
+        problems.append(Problem("prompt", request.prompt, "must not be empty"))
+    for field in ("prompt", "negative_prompt"):
+        text: str = getattr(request, field)
+        if len(text) > MAX_PROMPT_CHARS:
+            problems.append(
+                Problem(field, f"<{len(text)} chars>", f"exceeds {MAX_PROMPT_CHARS} characters")
+            )
+        elif "\x00" in text:
+            problems.append(Problem(field, text[:40], "must not contain NUL characters"))
+    if not 1 <= steps <= manifest.steps.max:
+        problems.append(
+            Problem("steps", steps, f"must be between 1 and {manifest.steps.max} (manifest max)")
+        )
+    if not math.isfinite(guidance) or not 0 <= guidance <= manifest.guidance.max:
+        hint = "; its CFG is true_cfg" if manifest.true_cfg is not None else ""
+        problems.append(
+            Problem(
+                "guidance",
+                guidance,
+                f"must be between 0 and {manifest.guidance.max} (manifest cap{hint})",
+            )
+        )
+    true_cfg = _true_cfg(request, manifest, problems)
+    problems += _negative_prompt_problems(request, manifest, guidance, true_cfg)
+    mode, strength = _mode(request, manifest, steps, problems)
+    if (width, height) not in {tuple(size) for size in manifest.resolutions}:
+        allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
+        problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
+    if not 0 <= seed <= MAX_SEED:
+        problems.append(Problem("seed", seed, f"must be between 0 and {MAX_SEED}"))
+    if not 1 <= request.num_images <= MAX_IMAGES:
+        problems.append(
+            Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
+        )
+    problems += _pin_problems(request, manifest)
+    loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
+    if problems:
+        raise RequestRejected(problems, model=manifest.id)
+    return request.model_copy(
+        update={
+            "steps": steps,
+            "guidance": float(guidance),
+            "true_cfg": true_cfg,
+            # txt2img stays unset, so a prompt-only request reads as it did before modes.
+            "mode": None if mode == "txt2img" else mode,
+            "strength": strength,
+            "loras": loras,
+            "width": width,
+            "height": height,
+            "seed": seed,
+        }
+    )
+
+
+def _mode(
+    request: RenderRequest, manifest: Manifest, steps: int, problems: list[Problem]
+) -> tuple[str, float | None]:
+    """The request's mode (by default from its image and mask), what it needs given, and its
+    strength; problems name each break. The references' own form is checked here too, without
+    reading them (api_client.inputs.parse_ref): that needs Redis or the store."""
+    from api_client.inputs import InputRefused, parse_ref
+
+    image, mask = request.image, request.mask
+    # An edit model's image is an edit's: it serves no img2img.
+    given = "edit" if "edit" in manifest.modes else "img2img"
+    mode = request.mode or ("inpaint" if mask else given if image else "txt2img")
+    if mode not in manifest.modes:
+        rule = f"must be one of {', '.join(manifest.modes)} (manifest {manifest.id}'s modes)"
+        problems.append(Problem("mode", mode, rule))
+    needs = {"img2img": ("image",), "inpaint": ("image", "mask"), "edit": ("image",)}.get(mode, ())
+    for field, value in (("image", image), ("mask", mask)):
+        if value is None and field in needs:
+            problems.append(
+                Problem(
+                    field, None, f"mode {mode} needs {'an' if field == 'image' else 'a'} {field}"
+                )
+            )
+        elif value is not None and field not in needs:
+            problems.append(Problem(field, short(value, 60), f"mode {mode} takes no {field}"))
+        elif value is not None:
+            try:
+                parse_ref(value, field)
+            except InputRefused as exc:
+                problems.append(exc.problem)
+    if mode in ("txt2img", "edit"):
+        # The edit pipelines denoise from noise with the image as context: nothing to re-noise.
+        if request.strength is not None:
+            problems.append(Problem("strength", request.strength, f"mode {mode} takes none"))
+        return mode, None
+    strength = DEFAULT_STRENGTH if request.strength is None else request.strength
+    if not math.isfinite(strength) or not 0 < strength <= 1:
+        problems.append(Problem("strength", strength, "must be above 0 and at most 1"))
+    elif int(steps * strength) < 1:
+        rule = f"with {steps} steps re-noises {steps * strength:g} of them; needs at least 1"
+        problems.append(Problem("strength", strength, rule))
+    return mode, float(strength)
+
+
+def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:
+    """The request's true CFG scale, the manifest's default, or None where the model has none."""
+    allowed = manifest.true_cfg
+    if allowed is None:
+        if request.true_cfg is not None:
+            problems.append(
+                Problem("true_cfg", request.true_cfg, f"model {manifest.id} has no true CFG")
+            )
+        return None
+    value = allowed.default if request.true_cfg is None else request.true_cfg
+    if not math.isfinite(value) or not 1 <= value <= allowed.max:
+        problems.append(
+            Problem(
+                "true_cfg",
+                value,
+                f"must be between 1 (off) and {allowed.max} (manifest cap)",
+            )
+        )
+    return float(value)
+
+
+def _negative_prompt_problems(
+    request: RenderRequest, manifest: Manifest, guidance: float, true_cfg: float | None
+) -> list[Problem]:
+    """A negative prompt steers only through the family's CFG; without it, it would be ignored."""
+    if not request.negative_prompt.strip():
+        return []
+    rule = CFG[manifest.family]
+    value = guidance if rule.field == "guidance" else true_cfg
+    if value is not None and value > rule.above:
+        return []
+    if value is None:
+        why = f"model {manifest.id} has no true CFG (its manifest allows no true_cfg)"
+    else:
+        why = f"{rule.field} is {value:g}; the negative prompt needs {rule.field} above"
+        why += f" {rule.above:g} on {manifest.id}, or it has no effect"
+    return [Problem("negative_prompt", request.negative_prompt[:40], why)]
+
+
+def _pin_problems(request: RenderRequest, manifest: Manifest) -> list[Problem]:
+    """A replay's compile pin against its rung and the manifest: torch.compile runs only at full
+    (offload hooks and Inductor conflict), never where the manifest switches it off, and always
+    where the manifest requires it at full."""
+    if request.compile is True and request.rung not in (None, "full"):
+        why = f"compile runs only at rung full, and the request pins rung {request.rung}"
+        return [Problem("compile", True, why)]
+    if request.compile is True and manifest.compile == "off":
+        return [Problem("compile", True, f"model {manifest.id}'s manifest switches compile off")]
+    if request.compile is False and request.rung == "full" and manifest.compile == "required":
+        why = f"model {manifest.id}'s manifest requires compile at rung full (compile: required)"
+        return [Problem("compile", False, why)]
+    return []
+
+
+def check_servable(request: RenderRequest, manifests: dict[str, Manifest]) -> Manifest:
+    """The manifest a normal job may use, or RequestRejected naming the model."""
+    manifest = manifests.get(request.model)
+    if manifest is None:
+        known = ", ".join(sorted(manifests)) or (
+            "none published (publish them with `kiln manifests publish`, or start a worker)"
+        )
+        raise RequestRejected([Problem("model", request.model, f"unknown model; known: {known}")])
+    if manifest.benchmark_only:
+        raise RequestRejected(
+            [
+                Problem(
+                    "model",
+                    request.model,
+                    "is benchmark_only: listed for `kiln bench`, refused for jobs",
+                )
+            ]
+        )
+    return manifest

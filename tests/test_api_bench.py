@@ -1,0 +1,69 @@
+"""bench/api_bench.py at tiny sizes (2 jobs a path, 20 watchers over 3 jobs in two passes, one
+timed gateway start): it runs on CPU with its own redis-server, prints its three tables and
+writes every figure, and each fan-out pass delivers every event to every watcher once, in
+order."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+TINY = [
+    "--jobs", "2", "--warmup", "1", "--watchers", "20", "--watch-jobs", "3",
+    "--events", "3", "--intervals", "0.1,0.02", "--starts", "1",
+]  # fmt: skip
+BOUND_S = 60  # 20 s on the shared 2 cores at load 5: a worker start, three gateway starts, 6 jobs
+
+
+@pytest.mark.slow
+def test_the_gateway_bench_measures_every_figure(tiny_dir: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}  # its own Redis
+    env["HF_HUB_OFFLINE"] = "1"
+    argv = [sys.executable, "bench/api_bench.py", *TINY]
+    argv += ["--out", str(tmp_path / "out"), "--models-dir", str(tiny_dir)]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "out" / "api_bench.json").read_text())
+    assert (tmp_path / "out" / "api_bench.md").read_text().strip() in done.stdout
+    for title in ("### Per job", "### Fan-out", "### Start to ready"):
+        assert title in done.stdout
+
+    job = figures["per_job"]
+    for path in ("python", "http"):
+        assert job[path]["jobs"] == 2
+        assert 0 < job[path]["outside_render_median_s"] < job[path]["median_s"] < 60
+        assert job[path]["redis_cmds_per_job"] > 0
+    for name in ("ratio_median", "outside_ratio_median", "extra_redis_cmds_per_job"):
+        assert math.isfinite(job[name]), name
+    # The gateway's own reads: at least its token check on each of its three requests.
+    assert job["extra_redis_by_command"].get("hget", 0) >= 3
+
+    fan = figures["fan_out"]
+    assert fan["gateway_alive_at_end"] and [f["interval_s"] for f in fan["passes"]] == [0.1, 0.02]
+    for one in fan["passes"]:
+        assert (one["watchers"], one["jobs"], one["events_per_job"]) == (20, 3, 3)
+        assert one["expected"] == 20 * (1 + 3)  # each stream: its queued event, three published
+        assert one["delivered"] == one["expected"] and one["watchers_exact"] == 20
+        assert (one["lost"], one["repeated"], one["unexpected"], one["watchers_failed"]) == (0,) * 4
+        assert one["synthetic_delivered"] == 20 * 3
+        delay = one["delay_ms"]
+        assert 0 <= delay["p50"] <= delay["p99"] <= delay["max"] < 30_000
+        connections = one["redis_connections"]
+        assert connections["ready"]["client_list"] >= 1
+        assert connections["peak"]["client_list"] >= connections["ready"]["client_list"]
+        assert one["redis_commands"].get("xread", 0) >= 1
+        # 60 deliveries can take less than the process clock's 10 ms tick: measured, maybe 0.
+        assert one["gateway_cpu_us_per_delivery"] >= 0
+
+    start = figures["startup"]
+    for name in ("python_c_pass", "import_api_client", "import_gateway_app", "kiln_api_ready"):
+        assert 0 < start[name]["median_s"] < 60, name
+    assert start["import_api_client"]["median_s"] > start["python_c_pass"]["median_s"]

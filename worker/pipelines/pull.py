@@ -1,0 +1,232 @@
+"""Weights before jobs: which files each manifest needs from the Hugging Face hub (only its
+variant and the components the pipeline loads), whether they are in the cache, and `kiln pull`,
+which fetches what is missing through huggingface_hub into the usual cache (HF_HOME).
+
+A worker checks the same at start and pulls what is missing before it takes a job, so no job
+timeout ever covers a multi-GB download. HF_HUB_OFFLINE=1 is honoured: nothing is fetched, and
+a missing model is named with the command that fetches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from api_client.manifest import Manifest
+from worker.manifest import weights_source
+from worker.pipelines.families import spec_for
+
+log = logging.getLogger(__name__)
+
+# Everything a pipeline component holds besides weights: configs, tokenizers, scheduler, and
+# the chat templates newer tokenizers keep beside their config (Qwen3's, for FLUX.2 and Z-Image).
+_COMPONENT_FILES = ("json", "txt", "model", "jinja")
+# Single-file and framework copies the pipeline never reads; the safety checker kiln drops.
+_NEVER = ["*.bin", "*.ckpt", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.pb"]
+_VAE_FILES = ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+class PullError(RuntimeError):
+    """Weights kiln cannot get; the message is one line naming the repository and what to do."""
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One repository to fetch and the files of it a model needs."""
+
+    model: str
+    repo: str
+    revision: str | None
+    allow_patterns: list[str]
+    ignore_patterns: list[str] = field(default_factory=list)
+    marker: str = "model_index.json"
+
+
+def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
+    """The hub repositories manifest needs (pipeline, vae, taesd, loras); local sources must exist,
+    else FileNotFoundError names the path and the command that builds it."""
+    wanted: list[Fetch] = []
+    source = weights_source(manifest, models_dir)
+    if not source.local:
+        wanted.append(_pipeline_fetch(manifest))
+    for extra in (manifest.vae, manifest.taesd):
+        if extra is None:
+            continue
+        where = weights_source(manifest, models_dir, extra, marker="config.json")
+        if not where.local:
+            wanted.append(Fetch(manifest.id, extra, None, _VAE_FILES, marker="config.json"))
+    for lora in manifest.loras.values():
+        where = weights_source(manifest, models_dir, lora.source, marker=lora.weight_name)
+        if not where.local:
+            files = [lora.weight_name]
+            wanted.append(Fetch(manifest.id, lora.source, lora.revision, files, marker=files[0]))
+    return wanted
+
+
+def _pipeline_fetch(manifest: Manifest, components: list[str] | None = None) -> Fetch:
+    """The files of the pipeline's components (all folders until model_index.json is read):
+    never the single-file checkpoints at the top of a repository, nor other variants."""
+    # The components the family loads without (FamilySpec.dropped: SD's safety checker).
+    ignore = [*_NEVER, *(f"{name}/*" for name in spec_for(manifest).dropped)]
+    variant = manifest.variant
+    allow = ["model_index.json"]
+    for folder in components or ["*"]:
+        allow += [f"{folder}/*.{ext}" for ext in _COMPONENT_FILES]
+        if variant:
+            # diffusers names variant weights x.fp16.safetensors, shards x.fp16-00001-of-00002.
+            allow += [f"{folder}/*.{variant}.safetensors", f"{folder}/*.{variant}-*.safetensors"]
+        else:
+            allow.append(f"{folder}/*.safetensors")
+    if not variant:
+        ignore.append("*/*.*.safetensors")  # every variant of every weight file
+    return Fetch(manifest.id, manifest.source, manifest.revision, allow, ignore)
+
+
+def pipeline_components(index: dict[str, object]) -> list[str]:
+    """The component folders a model_index.json names (those set to null are not loaded)."""
+    return [
+        name
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and value[0] is not None
+        if name != "safety_checker"
+    ]
+
+
+def narrowed(fetch: Fetch, manifest: Manifest) -> Fetch:
+    """A pipeline fetch limited to the components its model_index.json names (fetched first,
+    a few hundred bytes); other fetches as they are."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    if fetch.marker != "model_index.json":
+        return fetch
+    index = hf_hub_download(
+        fetch.repo, "model_index.json", revision=fetch.revision, cache_dir=_cache_dir()
+    )
+    components = pipeline_components(json.loads(Path(index).read_text(encoding="utf-8")))
+    return _pipeline_fetch(manifest, components)
+
+
+def present(fetch: Fetch) -> Path | None:
+    """The cached snapshot holding fetch's files, or None; never touches the network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(
+            snapshot_download(
+                fetch.repo,
+                revision=fetch.revision,
+                allow_patterns=fetch.allow_patterns,
+                ignore_patterns=fetch.ignore_patterns,
+                local_files_only=True,
+                cache_dir=_cache_dir(),
+            )
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        return None
+    return folder if _complete(folder, fetch.marker) else None
+
+
+def _complete(folder: Path, marker: str) -> bool:
+    """The marker is there and, for a pipeline, a directory for every component it names."""
+    import json
+
+    index = folder / marker
+    if not index.is_file():
+        return False
+    if marker != "model_index.json":
+        return True
+    try:
+        components = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return all((folder / name).is_dir() for name in pipeline_components(components))
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def pull(
+    manifests: dict[str, Manifest],
+    models_dir: Path,
+    say: Callable[[str], None] = print,
+) -> list[str]:
+    """Fetch every missing repository of these manifests; the models pulled.
+
+    PullError (one line) for a gated repository, a missing local directory, or a missing
+    model while HF_HUB_OFFLINE is set."""
+    pulled: list[str] = []
+    for manifest in manifests.values():
+        try:
+            wanted = fetches(manifest, models_dir)
+        except FileNotFoundError as exc:
+            raise PullError(str(exc)) from None
+        for fetch in wanted:
+            if present(fetch) is not None:
+                say(f"{manifest.id}: {fetch.repo} already in the cache")
+                continue
+            if offline():
+                raise PullError(
+                    f"model {manifest.id}: {fetch.repo} is not in the Hugging Face cache"
+                    f" ({_cache_dir()}) and HF_HUB_OFFLINE is set; run"
+                    f" `kiln pull --models {manifest.id}` where the hub is reachable"
+                )
+            _download(fetch, manifest, say)
+            if manifest.id not in pulled:
+                pulled.append(manifest.id)
+    return pulled
+
+
+def _download(fetch: Fetch, manifest: Manifest, say: Callable[[str], None]) -> None:
+    """snapshot_download with its progress bar, the gated case as one line."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        fetch = narrowed(fetch, manifest)
+        say(f"{manifest.id}: fetching {fetch.repo} ({', '.join(fetch.allow_patterns)})")
+        snapshot_download(
+            fetch.repo,
+            revision=fetch.revision,
+            allow_patterns=fetch.allow_patterns,
+            ignore_patterns=fetch.ignore_patterns,
+            cache_dir=_cache_dir(),
+        )
+    except GatedRepoError:
+        raise PullError(
+            f"model {fetch.model}: {fetch.repo} is gated: accept its licence at"
+            f" https://huggingface.co/{fetch.repo} and set HF_TOKEN to a token of that account"
+        ) from None
+    except RepositoryNotFoundError:
+        raise PullError(
+            f"model {fetch.model}: no repository {fetch.repo} on the hub (or it is private:"
+            " set HF_TOKEN)"
+        ) from None
+
+
+def missing(manifests: dict[str, Manifest], models_dir: Path) -> dict[str, str]:
+    """Models whose weights are not here, with why; checks the cache only."""
+    gaps: dict[str, str] = {}
+    for manifest in manifests.values():
+        try:
+            wanted = fetches(manifest, models_dir)
+        except FileNotFoundError as exc:
+            gaps[manifest.id] = str(exc)
+            continue
+        absent = [f.repo for f in wanted if present(f) is None]
+        if absent:
+            gaps[manifest.id] = f"not in the Hugging Face cache: {', '.join(absent)}"
+    return gaps
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)

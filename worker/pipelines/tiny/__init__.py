@@ -1,0 +1,159 @@
+"""Tiny random-weight pipelines, one a family, built from configs with local tokenizers, and the
+build that saves them: kiln's embedded default models.
+
+They are ordinary diffusers directories, so they load through the same from_pretrained path as
+hub models, with no hub access at build or load time. Each family's builder lives in its own
+module (sd, flux, flux2, qwenimage, zimage); this one owns the registry, the version stamp and
+the atomic swap into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+from diffusers import DiffusionPipeline
+from transformers.utils import logging as transformers_logging
+
+from worker.pipelines.tiny.components import seeded, taesd
+from worker.pipelines.tiny.flux import flux, flux_kontext
+from worker.pipelines.tiny.flux2 import flux2
+from worker.pipelines.tiny.lora import save_tiny_loras
+from worker.pipelines.tiny.qwenimage import qwenimage
+from worker.pipelines.tiny.sd import sd3, sd15, sdxl
+from worker.pipelines.tiny.zimage import zimage
+
+__all__ = [
+    "BUILDER_VERSION",
+    "STAMP_FILE",
+    "TAESD_LATENTS",
+    "TINY_FAMILIES",
+    "build_tiny_models",
+    "is_current",
+]
+
+# Bump whenever a config, tokenizer or seed changes: existing builds are then replaced.
+# 2: a tiny TAESD in <pipeline>/taesd for previews. 3: flux, flux2, qwenimage and zimage.
+# 4: two tiny LoRAs in <pipeline>/loras (worker.pipelines.tiny.lora).
+BUILDER_VERSION: Final = 4
+STAMP_FILE: Final = "kiln_tiny.json"
+
+_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
+    "sd15": sd15,
+    "sdxl": sdxl,
+    "sd3": sd3,
+    "flux": flux,
+    "flux2": flux2,
+    "qwenimage": qwenimage,
+    # An edit model of the flux family (manifest modes [txt2img, edit]): its own checkpoint.
+    "flux-kontext": flux_kontext,
+    "zimage": zimage,
+}
+TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+
+# (latent channels, scaling, shift) as the family's TAESD expects: sd15/sdxl TAESDs read the
+# denoiser's latents as they are; SD3's mirrors its VAE's scale and shift. Families not named
+# here get no TAESD, so no preview.
+TAESD_LATENTS: Final = {"sd15": (4, 1.0, 0.0), "sdxl": (4, 1.0, 0.0), "sd3": (16, 1.5035, 0.0609)}
+_TAESD_SEED: Final = 40
+
+
+def build_tiny_models(
+    out_dir: Path, families: Iterable[str] = TINY_FAMILIES, *, force: bool = False
+) -> dict[str, Path]:
+    """Build tiny-<family> pipelines under out_dir (out_dir/tiny-sd15 ...).
+
+    Skips a pipeline whose dir already has a model_index.json and a matching builder version
+    stamp unless force. Returns {"tiny-sd15": path, ...}.
+    """
+    wanted = list(families)
+    unknown = [f for f in wanted if f not in _BUILDERS]
+    if unknown:
+        raise ValueError(f"families: unknown {unknown!r}; must be among {list(TINY_FAMILIES)!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built: dict[str, Path] = {}
+    for family in wanted:
+        name = f"tiny-{family}"
+        target = out_dir / name
+        if force or not is_current(target):
+            _build_into(target, family, force=force)
+        built[name] = target
+    return built
+
+
+def is_current(path: Path) -> bool:
+    """Whether path holds a complete pipeline stamped by this BUILDER_VERSION."""
+    stamp = path / STAMP_FILE
+    if not (path / "model_index.json").is_file() or not stamp.is_file():
+        return False
+    try:
+        version = json.loads(stamp.read_text(encoding="utf-8")).get("builder_version")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(version == BUILDER_VERSION)
+
+
+def _build_into(target: Path, family: str, *, force: bool) -> None:
+    # Build beside the target and rename, so readers never see a half-written pipeline.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
+    try:
+        pipe = _BUILDERS[family]()
+        with _quiet_progress_bars():
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            if family in TAESD_LATENTS:
+                _save_taesd(tmp / "taesd", family)
+            save_tiny_loras(pipe, tmp / "loras")
+        stamp = {"builder_version": BUILDER_VERSION, "family": family}
+        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+        # A concurrent builder may have finished first; keep its copy so readers are not cut off.
+        if force or not is_current(target):
+            _swap_into_place(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_taesd(directory: Path, family: str) -> None:
+    preview = seeded(_TAESD_SEED, lambda: taesd(*TAESD_LATENTS[family]))
+    preview.save_pretrained(directory, safe_serialization=True)
+    # AutoencoderTiny records block_out_channels in its config but does not take it back,
+    # warning on every load; TAESD's published configs do not carry it either.
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop("block_out_channels", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _swap_into_place(new: Path, target: Path) -> None:
+    # A directory cannot be renamed over a non-empty one, so the old build is moved aside first.
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+    if target.exists():
+        target.rename(old)
+    try:
+        new.rename(target)
+    except OSError:
+        # Another builder won the race; its pipeline is as good as ours if it is current.
+        if not is_current(target):
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    # transformers draws a "Writing model shards" bar per text encoder; in a worker log that is
+    # noise. The switch is process-wide, so the caller's setting is put back afterwards.
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    # transformers leaves these two switches unannotated.
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()  # type: ignore[no-untyped-call]

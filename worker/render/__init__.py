@@ -1,0 +1,1 @@
+"""One job from request to record: inputs, placement, generation, the timing record."""

@@ -1,0 +1,215 @@
+"""One try at generating a job's images on a loaded pipeline: text encode, denoise to latents,
+decode, each in its own timed phase, with progress, previews and stop requests at each step.
+
+Rendering runs in three calls instead of one pipeline call so each phase is timed,
+fault-injected and retried on its own: out of memory in decode retries the decode alone on the
+latents already denoised (the ladder's decode rules, handed in as DecodeRules)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from PIL import Image
+
+from api_client.schema import RenderRequest
+from worker.errors import JobStopped
+from worker.files.store import Store
+from worker.memory import device as dev
+from worker.memory.device import DeviceInfo
+from worker.memory.faults import FaultPlan, crash_point
+from worker.pipelines.adapters import AdapterRefused
+from worker.pipelines.families import Prompt, cfg_active, decode_preview
+from worker.pipelines.resident import LoadedPipeline
+from worker.pipelines.switches import preview_steps
+from worker.pipelines.vae import tiled
+from worker.render.context import JobContext
+from worker.render.timings import PartialBlocks, Stopwatch, TimingRecord
+
+log = logging.getLogger(__name__)
+
+# One decode of the kept latents on a pipeline, tiled or not: (images, how it decoded).
+DecodeTry = Callable[[LoadedPipeline, bool], tuple[list[Image.Image], str]]
+# The ladder's decode rules (Ladder.decode with this job's reclaim and reload bound): the images
+# and the pipeline that decoded them, which is a lower rung's after a descent.
+DecodeRules = Callable[[LoadedPipeline, DecodeTry], tuple[list[Image.Image], LoadedPipeline]]
+
+
+def decode_once(
+    loaded: LoadedPipeline, tile: DecodeTry
+) -> tuple[list[Image.Image], LoadedPipeline]:
+    """No decode rules: one untiled decode, out of memory left to the caller."""
+    return tile(loaded, False)[0], loaded
+
+
+@torch.inference_mode()
+def generate(
+    loaded: LoadedPipeline,
+    request: RenderRequest,
+    ctx: JobContext,
+    watch: Stopwatch,
+    record: TimingRecord,
+    *,
+    info: DeviceInfo,
+    faults: FaultPlan,
+    store: Store,
+    sources: dict[str, Image.Image] | None = None,
+    decode: DecodeRules = decode_once,
+) -> tuple[list[Image.Image], LoadedPipeline]:
+    """sources: img2img's, inpaint's and edit's inputs as the pipeline takes them (image,
+    mask_image). Returns the images and the pipeline that decoded them (decode's)."""
+    mode, rung = request.mode or "txt2img", loaded.rung
+    pipe = loaded.pipe_for(mode)
+    family = loaded.spec
+    steps, guidance = denoising_steps(request), float(request.guidance or 0.0)
+    count, seed = request.num_images, int(request.seed or 0)
+    shape = (request.width or 0, request.height or 0, count)
+    record.cold = record.cold or shape not in loaded.warm_shapes
+    split, record.partial_blocks = loaded.partial, None
+    if split is not None:
+        record.partial_blocks = PartialBlocks(resident=split.resident, streamed=split.streamed)
+    # Generators live on the CPU so a seed gives the same image on every device.
+    generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)]
+    dev.reset_peak(info)
+
+    # 1. Text encode
+    with watch.phase("text_encode"):
+        ctx.progress("text_encode", 0, steps)
+        faults.check("text_encode", rung)
+        cfg = cfg_active(loaded.manifest.family, guidance, request.true_cfg)
+        edited = (sources or {}).get("image") if mode == "edit" else None
+        prompt = Prompt(
+            request.prompt,
+            request.negative_prompt,
+            count,
+            cfg,
+            loaded.manifest.max_sequence_length,
+            image=edited,
+        )
+        embeds = family.encode(pipe, loaded.execution_device, prompt)
+
+    # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
+    #    quarter when the request asks and the model has TAESD) and honours a stop request.
+    wanted = request.previews and loaded.preview_vae is not None
+    previews = preview_steps(steps) if wanted else set()
+
+    def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        record.steps_denoised += 1
+        preview = None
+        if step + 1 in previews:
+            preview = _preview(loaded, tensors["latents"], ctx, record, store)
+        ctx.progress("denoise", step + 1, steps, preview)
+        crash_point("denoise")
+        if ctx.stop_requested():
+            raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
+        return tensors
+
+    with watch.phase("denoise"):
+        ctx.progress("denoise", 0, steps)
+        faults.check("denoise", rung)
+        call = {
+            **embeds,
+            **family.guidance(guidance, request.true_cfg),
+            "num_inference_steps": int(request.steps or 1),
+            "width": request.width,
+            "height": request.height,
+            "generator": generators,
+            "output_type": "latent",
+            "callback_on_step_end": on_step,
+            **family.call(*shape[:2]),
+        }
+        call.update(sources or {})
+        if request.strength is not None:  # img2img and inpaint; edit has none
+            call["strength"] = request.strength
+        latents = pipe(**_accepted(pipe, call)).images
+        if pipe is not loaded.pipe:
+            # Offload hooks belong to the resident pipeline: it moves every module back off the
+            # device and re-arms them, as its own call does at the end (a no-op at full).
+            loaded.pipe.maybe_free_model_hooks()
+
+    loaded.warm_shapes.add(shape)  # the denoiser has run this shape, whatever decode does
+    loaded.cfg_seen.add(cfg)
+    loaded.modes_seen.add(mode)
+
+    # 3. Decode latents to pixels; out of memory keeps the latents for the decode rules.
+    def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:
+        with watch.phase("decode"):
+            ctx.progress("decode", steps, steps)
+            crash_point("decode")
+            faults.check("decode", on.rung)
+            view = on.pipe_for(mode)
+            with tiled(view.vae) if tile else nullcontext("untiled") as how:
+                return family.decode(view, latents, *shape[:2]), how
+
+    images, decoded = decode(loaded, decode_on)
+    record.ran_on(decoded)  # a lower rung's after a decode descent, as the result will say
+    record.peak_memory_bytes = dev.peak_bytes(info)
+    record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
+    return images, decoded
+
+
+def denoising_steps(request: RenderRequest) -> int:
+    """Steps the denoiser runs: all of them for txt2img; img2img and inpaint start part-way,
+    skipping what their strength keeps of the input (diffusers' get_timesteps)."""
+    steps = int(request.steps or 1)
+    if request.strength is None:
+        return steps
+    return max(steps - int(steps - steps * request.strength), 1)
+
+
+def _accepted(pipe: Any, call: dict[str, Any]) -> dict[str, Any]:
+    """The call without width and height where the pipeline takes no size (SD's and SDXL's
+    img2img render at the input's size, which validation holds to the job's)."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    return {k: v for k, v in call.items() if k in params or k not in ("width", "height")}
+
+
+def _preview(
+    loaded: LoadedPipeline,
+    latents: torch.Tensor,
+    ctx: JobContext,
+    record: TimingRecord,
+    store: Store,
+) -> str | None:
+    """Decode and store a preview (its uri); one that fails is logged and skipped, never fatal."""
+    try:
+        image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
+        uri = store.save_preview(ctx.job_id, image)
+    except Exception as exc:
+        log.warning("preview failed for job %s: %s", ctx.job_id, exc)
+        return None
+    record.previews += 1
+    return uri
+
+
+def apply_loras(
+    loaded: LoadedPipeline,
+    request: RenderRequest,
+    watch: Stopwatch,
+    record: TimingRecord,
+    streams: bool,
+) -> frozenset[str]:
+    """The request's adapters into the pipeline's slots at their weights (the load phase:
+    it is the adapters' load), every slot the job does not use at 0."""
+    choices = request.loras or []
+    record.loras = list(choices)
+    slots = loaded.adapters
+    if slots is None:
+        if choices:  # the manifest allowed none, and resolve_request said so at submit
+            raise AdapterRefused(f"model {loaded.manifest.id}: this pipeline has no adapters")
+        return frozenset()
+    if choices and loaded.rung_spec.pinned_streams and streams:
+        raise AdapterRefused(
+            f"model {loaded.manifest.id}: loras at rung {loaded.rung} with CUDA streams:"
+            " the offload keeps pinned copies of the weights it streams, which a hotswap"
+            " would not reach; pin rung model_offload (KILN_MEMORY_MODE) to serve loras on"
+            " this card"
+        )
+    if slots.differs(choices):
+        with watch.phase("load"):
+            slots.apply(choices)
+    return frozenset(c.name for c in choices)

@@ -1,0 +1,405 @@
+"""Run one job from payload to result, in numbered steps: admit, validate, answer from the store,
+read its inputs, choose a rung (or take the request's pins), load, generate under the ladder's
+out-of-memory rules, confirm the lease, save with the generation details inside each image.
+Every path out of render() leaves exactly one timing record, created here and handed to the
+record listener; the result is built from that record (TimingRecord.result).
+
+Where a job runs (memory, rung, measurements, eviction) is the renderer's Planner's
+(worker.render.placement); what one job carries through the steps is its JobRun.
+
+Over 400 lines because the nine steps of one job and their helpers read in order, here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from PIL import Image
+
+from api_client.errors import short
+from api_client.manifest import Manifest
+from api_client.resolve import check_servable, resolve_request
+from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
+from worker.errors import FatalWorkerError, JobStopped, LeaseLost, OutOfMemory, device_lost
+from worker.files import output
+from worker.files.output import EncodedImage
+from worker.files.store import Store, open_store
+from worker.memory import device as dev
+from worker.memory.device import DeviceInfo
+from worker.memory.faults import FaultPlan, crash_point
+from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
+from worker.pipelines.compile import graphs_compiled
+from worker.pipelines.families import cfg_active
+from worker.pipelines.loading import load_pipeline, place_again, place_read
+from worker.pipelines.prefetch import Prefetcher
+from worker.pipelines.resident import LoadedPipeline, PipelineCache
+from worker.pipelines.switches import compile_fell_back
+from worker.render.context import JobContext
+from worker.render.generate import DecodeRules, apply_loras, generate
+from worker.render.inputs import InputReader
+from worker.render.placement import Planner
+from worker.render.timings import Stopwatch, TimingRecord, emit
+from worker.settings import Settings, WebhookTarget, check_target, parse_targets
+
+log = logging.getLogger(__name__)
+RecordListener = Callable[[TimingRecord], None]
+
+
+@dataclass
+class JobRun:
+    """One job past its rung choice: what the load, reload and generate steps share, instead of
+    each handing the next the same arguments."""
+
+    ctx: JobContext
+    request: RenderRequest
+    manifest: Manifest
+    choice: RungChoice  # the rung planned and why (a reload is told its lower rung)
+    ladder: Ladder
+    watch: Stopwatch
+    record: TimingRecord
+    sources: dict[str, Image.Image]  # img2img's, inpaint's and edit's inputs, for the pipe
+
+    @property
+    def pin(self) -> bool | None:
+        """The request's compile pin (a replay's); None: this worker's compile policy."""
+        return self.request.compile
+
+
+class Renderer:
+    """Owns the device, the resident pipelines, its planner and the read-ahead for one worker
+    process, and renders one job at a time (render)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manifests: dict[str, Manifest],
+        info: DeviceInfo | None = None,
+        *,
+        worker_name: str = "local",
+        on_record: RecordListener | None = None,
+        faults: FaultPlan | None = None,
+        webhook_targets: Mapping[str, WebhookTarget] | None = None,
+        upcoming: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.settings = settings
+        # Parsed once by the composition root (worker/serve.py); a test or bench parses its own.
+        self.webhook_targets = (
+            parse_targets(settings.webhooks) if webhook_targets is None else webhook_targets
+        )
+        self.manifests = manifests
+        self.info = info or dev.probe(settings)
+        self.worker_name = worker_name
+        self.on_record = on_record  # gets every job's record once it is final
+        self.cache = PipelineCache(self.info, int(settings.ram_cache_gb * GB))
+        self.planner = Planner(settings, manifests, self.info, self.cache, RungMemory())
+        self.inputs = InputReader(settings)
+        self.faults = FaultPlan.parse(settings.faults) if faults is None else faults
+        # Reads the next job's model into the RAM cache while a job renders; `upcoming` says
+        # which model that is (a queue worker's lane order; worker.pipelines.prefetch).
+        self.prefetcher = Prefetcher(self.cache, manifests, self.info, settings, upcoming)
+        self.profiling = False  # label phases for torch.profiler (`kiln profile`)
+
+    @property
+    def store(self) -> Store:
+        """Where this job's files go (KILN_OUTPUT_URL); follows a change of settings."""
+        return open_store(self.settings)
+
+    def cannot_fit(self) -> str | None:
+        """Why this worker must take no job now (the planner's word), or None."""
+        return self.planner.cannot_fit()
+
+    def render(self, payload: Any, ctx: JobContext) -> RenderResult:
+        scope = torch.profiler.record_function if self.profiling else None
+        watch = Stopwatch(lambda: dev.synchronize(self.info), scope)
+        started_at = datetime.now(timezone.utc)
+        record = TimingRecord(
+            job_id=ctx.job_id,
+            worker=self.worker_name,
+            device=self.info.torch_device,
+            simulated_device=self.info.simulated,
+            model=_requested_model(payload),  # so a refused job still counts against its model
+        )
+        lost = False
+        try:
+            # 1. Admit: a job refused by its runner, or cancelled while it waited, loads nothing.
+            ctx.admit()
+            # 2. Validate against the manifest: never trust the queue.
+            request = self.validate(payload)
+            record.describe(request)
+            # 3. Answer from the store a job whose files were completed before a crash. Its
+            #    record is this worker's, with the render's phases from result.json: the worker
+            #    that rendered it died before committing the job's end, so it published none.
+            digest = request_digest(request)
+            done = self.store.finished_result(ctx.job_id, digest)
+            if done is not None:
+                record = TimingRecord.from_result(done, answered_by=self.worker_name)
+                return done
+            # 4. An img2img or inpaint job's inputs, read and checked (sha256, format, size)
+            #    before anything is loaded or evicted for it.
+            sources, inputs = self.inputs.read(request, self.store)
+            # 5. A rung: the request's pin (a replay's, a pinned ladder that never descends),
+            #    else the planner's. A cancel or a lost lease is taken at every phase boundary
+            #    as well as at every denoising step.
+            _checkpoint(ctx, "before loading")
+            job = self._plan(request, ctx, watch, record, sources)
+            with _named_pin(request, job.manifest.id, record.attempts):
+                # 6. Load: the resident pipeline if it serves the job, else a load.
+                crash_point("load")
+                loaded = self._ensure_loaded(job, job.choice.rung)
+                _checkpoint(ctx, "after loading")
+                self.prefetcher.after_load(job.manifest.id, ctx.job_id)
+                # 7. Generate: encode, denoise, decode under the ladder's out-of-memory rules.
+                images, loaded = self._generate(job, loaded)
+            self.planner.remember(request, job.choice, record.attempts, loaded.rung)
+            _checkpoint(ctx, "after decode")
+            # 8. Encode, with the generation details inside each file; then confirm this run
+            #    still holds the job (a stalled worker's lease may have lapsed) before writing.
+            with watch.phase("image_encode"):
+                device = self.info.torch_device
+                encoded = output.encode_images(images, request, loaded, inputs, device)
+            ctx.confirm()
+            # 9. Save the images, then result.json last, as the mark of a complete job.
+            result = self._save(job, encoded, started_at, digest)
+            record.status = "done"
+            return result
+        except BaseException as exc:  # errors, stops, a job timeout (a BaseException by design)
+            lost = isinstance(exc, LeaseLost)
+            fatal = _ended(record, exc, ctx.job_id)
+            if fatal is not None:
+                raise fatal from exc
+            raise
+        finally:
+            self._close(ctx, watch, record, lost)
+
+    def publish(self, record: TimingRecord, observed: bool = False) -> None:
+        """The job's one record: the log line, the timings file, the listener unless observed."""
+        emit(record, self.settings.timings_log)
+        if not observed:
+            self.observe(record)
+
+    def observe(self, record: TimingRecord) -> None:
+        if self.on_record is not None:  # metrics and the timing fit, without the log line
+            self.on_record(record)
+
+    def validate(self, payload: Any) -> RenderRequest:
+        request = RenderRequest.parse(payload)
+        check_target(request, self.webhook_targets)
+        return resolve_request(request, check_servable(request, self.manifests))
+
+    # -- 5. the rung ----------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        request: RenderRequest,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+        sources: dict[str, Image.Image],
+    ) -> JobRun:
+        """The job's rung and ladder; a compile pin its rung cannot honour fails here."""
+        manifest = self.manifests[request.model]
+        ladder = Ladder(manifest.id, request.rung or self.settings.memory_mode, record.attempts)
+        choice = self.planner.choose_rung(manifest, request)
+        record.rung_reason = choice.reason
+        record.planned_from = "measured" if choice.measured else "declared"
+        return JobRun(ctx, request, manifest, choice, ladder, watch, record, sources)
+
+    # -- 6. load --------------------------------------------------------------------------------
+
+    def _ensure_loaded(self, job: JobRun, rung: Rung) -> LoadedPipeline:
+        """The resident pipeline at this rung and compile state (the request's pin, else this
+        worker's), else a load under the ladder's loading rules."""
+        manifest, record = job.manifest, job.record
+        resident = self.cache.get(manifest.id)
+        if resident is not None and self.planner.serves(resident, rung, job.pin):
+            return resident
+        record.cold = True
+
+        def load(at: Rung) -> LoadedPipeline:
+            # Its read ahead, if one is in flight, then its RAM copy, before making room: the
+            # pipelines evicted for it go into the RAM cache too, and must not push it out.
+            self.prefetcher.wait_for(manifest.id)
+            kept = self.cache.ram.take(manifest.id)
+            self.planner.make_room(manifest, at)
+            # What a partial load splits its blocks by: memory now, and full's measured need.
+            room = (self.planner.usable_gb(reclaim=False), job.choice.full_need_gb)
+            pin = job.pin
+            if kept is not None and (not kept.placed or self.planner.serves(kept, at, pin)):
+                record.load_source = "ram"
+                if not kept.placed:  # read ahead, never placed: any rung's first placement
+                    return place_read(kept, at, self.info, self.settings, self.faults, pin, *room)
+                return place_again(kept, self.info, self.faults)
+            if kept is not None:  # kept at another rung or compile state: not this job's
+                self.cache.release(kept)
+            record.load_source = "disk"
+            return load_pipeline(manifest, at, self.info, self.settings, self.faults, pin, *room)
+
+        with job.watch.phase("load"):
+            if resident is not None:
+                self.cache.evict(manifest.id, to_ram=False)
+            loaded = job.ladder.load(rung, load, reclaim=lambda: self.planner.free(keep=None))
+        self.cache.put(loaded)
+        return loaded
+
+    # -- 7. generate ----------------------------------------------------------------------------
+
+    def _generate(
+        self, job: JobRun, loaded: LoadedPipeline
+    ) -> tuple[list[Image.Image], LoadedPipeline]:
+        """Tries on the pipeline under the ladder's generating rules; out of memory in decode
+        keeps the latents (Ladder.decode: tiled, then a rung lower). Returns the images and the
+        pipeline that decoded them."""
+        reclaim = functools.partial(self._reclaim, job)
+        reload = functools.partial(self._reload, job)
+        decode = functools.partial(job.ladder.decode, reclaim=reclaim, reload=reload)
+        return job.ladder.generate(
+            loaded,
+            run=lambda on: self._attempt(job, on, decode),
+            reclaim=reclaim,
+            reload=reload,
+            phase=lambda: job.watch.current,
+        )
+
+    def _reclaim(self, job: JobRun) -> None:
+        """After an OOM while generating: every other pipeline out, memory back (load time)."""
+        with job.watch.phase("load"):
+            self.planner.free(keep=job.manifest.id)
+
+    def _reload(self, job: JobRun, rung: Rung) -> LoadedPipeline:
+        """After a second OOM while generating: the model again, one rung lower."""
+        with job.watch.phase("load"):
+            self.cache.evict(job.manifest.id, to_ram=False)
+        return self._ensure_loaded(job, rung)
+
+    def _attempt(
+        self, job: JobRun, loaded: LoadedPipeline, decode: DecodeRules
+    ) -> tuple[list[Image.Image], LoadedPipeline]:
+        """One try on this pipeline; a compiled forward that fails once falls back to eager.
+        Returns the pipeline that decoded: a lower rung's when decode descended."""
+        request, watch, record = job.request, job.watch, job.record
+        while True:
+            record.ran_on(loaded)
+            ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
+            cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
+            size = (request.width or 0, request.height or 0)
+            loras = apply_loras(loaded, request, watch, record, self.info.streams)
+            mode = request.mode or "txt2img"
+            novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
+            start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
+            try:
+                images, decoded = generate(
+                    loaded,
+                    request,
+                    job.ctx,
+                    watch,
+                    record,
+                    info=self.info,
+                    faults=self.faults,
+                    store=self.store,
+                    sources=job.sources,
+                    decode=decode,
+                )
+            except Exception as exc:
+                if not compile_fell_back(loaded, exc):
+                    raise
+                note = "torch.compile failed at the first forward; retrying eager"
+                record.attempts.append(
+                    Attempt(rung=loaded.rung, outcome="error", phase=watch.current, detail=note)
+                )
+                continue
+            built = graphs_compiled() - graphs_before
+            loaded.adapter_sets.add(loras)
+            # Not where a decode retried a rung lower (two pipelines), nor on a CPU beside a
+            # read ahead (it grows the resident set a CPU job's peak is taken from).
+            beside_read = self.info.torch_device == "cpu" and not self.prefetcher.quiet(reads)
+            if decoded is loaded and not beside_read:
+                self.planner.measure(loaded, request, record.peak_memory_bytes, start)
+            if loaded.compiled and ran_before and built:
+                loaded.recompiles += built
+                record.recompile_causes.append(f"{novelty}: {built} graph(s)")
+            record.recompiles = loaded.recompiles
+            return images, decoded
+
+    # -- 9. save ---------------------------------------------------------------------------------
+
+    def _save(
+        self, job: JobRun, encoded: list[EncodedImage], started_at: datetime, digest: str
+    ) -> RenderResult:
+        """The images into the store, then the result built from the record, as result.json."""
+        job_id = job.ctx.job_id
+        with job.watch.phase("save"):
+            files = self.store.save_images(job_id, encoded)
+        crash_point("save")
+        _checkpoint(job.ctx, "after saving its images")
+        job.record.timings = job.watch.timings(job.ctx.queue_wait_s)
+        result = job.record.result(files, started_at, digest)
+        self.store.write_result(result)
+        return result
+
+    def _close(self, ctx: JobContext, watch: Stopwatch, record: TimingRecord, lost: bool) -> None:
+        """Every way out: the files of a job that did not finish removed, then its one record.
+        A lost job's files are the names its new owner writes, so they are left to it."""
+        self.store.close_job(ctx.job_id, keep=record.status == "done" or lost)
+        if record.answered_from == "render":
+            record.timings = watch.timings(ctx.queue_wait_s)
+        # A done job's record waits for the job's end to be committed when a queue runs it.
+        if record.status != "done" or not ctx.hold_done_record(record):
+            self.publish(record)
+
+
+def _checkpoint(ctx: JobContext, where: str) -> None:
+    if ctx.stop_requested():
+        raise JobStopped(f"job {ctx.job_id} stopped on request {where}")
+
+
+@contextmanager
+def _named_pin(request: RenderRequest, model_id: str, attempts: list[Attempt]) -> Iterator[None]:
+    """Out of memory on a rung the request pins fails as a KILN_MEMORY_MODE pin does, but says
+    the request pinned it (the ladder's words name the setting, which is not what to change)."""
+    try:
+        yield
+    except OutOfMemory as exc:
+        if request.rung is None:
+            raise
+        tried = ", ".join(f"{a.rung}:{a.outcome}@{a.phase or '-'}" for a in attempts)
+        raise OutOfMemory(
+            f"model {model_id} ran out of memory at rung {request.rung}, which the request pins"
+            f" (rung={request.rung}, as a replay does; a pinned rung never descends);"
+            f" attempts: {tried}"
+        ) from exc
+
+
+def _requested_model(payload: Any) -> str | None:
+    """The model a raw payload names, if it names one; for records of jobs that fail early."""
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, str):
+        return None
+    # Bounded and encodable: it goes into the timing log and onto stdout, whatever it was.
+    return str(short(model.encode("utf-8", "backslashreplace").decode()))
+
+
+def _ended(record: TimingRecord, exc: BaseException, job_id: str) -> FatalWorkerError | None:
+    """The record of a job that ends in exc: stopped (a cancel, a shutdown, a lost lease) or
+    failed; the FatalWorkerError to raise instead when the device is lost."""
+    if isinstance(exc, JobStopped):
+        record.status, record.error = "stopped", str(exc)
+        return None
+    fatal = _fatal(exc, job_id)
+    failure = fatal or exc
+    record.status, record.error = "failed", f"{type(failure).__name__}: {failure}"
+    return fatal
+
+
+def _fatal(exc: BaseException, job_id: str) -> FatalWorkerError | None:
+    """A device-lost error ends this worker, not just the job (no later job could succeed)."""
+    if isinstance(exc, FatalWorkerError):
+        return exc
+    if device_lost(exc) and not is_oom(exc):
+        return FatalWorkerError(f"the device was lost during job {job_id}: {exc}")
+    return None
