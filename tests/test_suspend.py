@@ -14,8 +14,10 @@ from redis import Redis
 
 from api_client import KilnClient, keys
 from api_client.schema import WorkerState
+from worker.queue.claim import Claimer
 from tests.conftest import MANIFESTS, kiln
 from tests.fixtures.gate import Gate
+from tests.helpers import enqueue_raw
 from tests.workers import WorkerProcess, gated, wait_until
 
 RQ = str(Path(sys.executable).parent / "rq")
@@ -29,6 +31,31 @@ def rq(command: str, url: str) -> None:
 def state_of(conn: Redis, worker: WorkerProcess) -> str:
     raw = conn.get(keys.worker_key(worker.name))
     return WorkerState.model_validate_json(raw).state if raw else ""
+
+
+def test_a_suspended_claimer_reads_the_key_on_every_claim(redis_conn: Redis) -> None:
+    """The key is read at most once a second while the fleet runs, but a claimer that found it
+    suspended reads it on each claim: one woken by a job's event within that second took the job
+    (it failed CI: `finished` where `queued` was asserted)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    queues = [
+        Queue(name, connection=redis_conn, serializer=JSONSerializer)
+        for name in keys.lane_queues("tiny-sd15")
+    ]
+    claimer = Claimer(redis_conn, "w1", lease_ttl_s=60)
+    redis_conn.set("rq:suspended", 1)
+    assert claimer.claim(queues, "e1", time.monotonic()) is None
+    assert claimer.suspended
+    job_id = enqueue_raw(redis_conn, "tiny-sd15", {"request": REQUEST})
+    for n in range(3):  # at once, within the second in which a running worker reads it once
+        assert claimer.claim(queues, f"e{n + 2}", time.monotonic()) is None
+    assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"queued"
+    redis_conn.delete("rq:suspended")
+    claimed = claimer.claim(queues, "e9", time.monotonic())
+    assert claimed is not None and claimed.job_id == job_id
+    assert not claimer.suspended
 
 
 def test_rq_suspend_holds_a_live_worker_and_rq_resume_lets_it_go_on(
