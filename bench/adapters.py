@@ -1,6 +1,7 @@
 """What per-job LoRA and per-job modes cost on a resident pipeline (issue 17), side by side in
 one process per model: the load with and without adapter slots, a hot swap, a strength change,
-the first derivation of the img2img pipeline, and the step time with empty slots against none.
+the first derivation of the img2img pipeline, and the step time with no slots, with 2 empty
+slots, and with them bypassed as a job that names no adapter runs (worker/pipelines/adapters.py).
 
     python bench/adapters.py [--models tiny-sd15,tiny-flux] [--repeats 20] [--json FILE]
 
@@ -38,16 +39,17 @@ def main() -> int:
     rows = [measure(model, args.repeats) for model in args.models.split(",")]
     print(
         "| model | load, no slots | load, 2 slots | swap | strength | img2img derive"
-        " | step, no slots | step, 2 empty slots |"
+        " | step, no slots | step, 2 empty slots | step, 2 slots bypassed |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         derive = "-" if r["derive_ms"] is None else f"{r['derive_ms']:.1f} ms"
         print(
             f"| {r['model']} | {r['load_s']:.2f} s | {r['load_slots_s']:.2f} s"
             f" | {r['swap_ms']:.1f} ms | {r['scale_ms']:.2f} ms"
             f" | {derive}"
-            f" | {r['step_ms']:.1f} ms | {r['step_slots_ms']:.1f} ms |"
+            f" | {r['step_ms']:.1f} ms | {r['step_slots_ms']:.1f} ms"
+            f" | {r['step_bypassed_ms']:.1f} ms |"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
@@ -88,7 +90,7 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
         started = time.perf_counter()
         slotted.pipe_for("img2img")
         derive = (time.perf_counter() - started) * 1000
-    steps = _step_ms([plain, slotted], manifest, repeats)
+    steps = _step_ms([(plain, False), (slotted, False), (slotted, True)], manifest, repeats)
     return {
         "model": model,
         "load_s": plain.load_s,
@@ -98,21 +100,29 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
         "derive_ms": derive,
         "step_ms": steps[0],
         "step_slots_ms": steps[1],
+        "step_bypassed_ms": steps[2],
     }
 
 
-def _step_ms(pair: list[Any], manifest: Any, repeats: int) -> list[float]:
-    """One denoiser forward of each pipeline at the manifest's first size, interleaved (so both
-    see the same machine noise), median of repeats after one warm forward each."""
+def _step_ms(cases: list[tuple[Any, bool]], manifest: Any, repeats: int) -> list[float]:
+    """One denoiser forward of each (pipeline, slots bypassed) at the manifest's first size,
+    interleaved (so all see the same machine noise), median of repeats after one warm forward
+    each. The bypass is entered and left inside the timing, as a job pays for it."""
+    import contextlib
+
     import torch
 
-    calls = [(loaded.denoiser, *_denoiser_inputs(loaded, manifest)) for loaded in pair]
-    times: list[list[float]] = [[] for _ in pair]
+    calls = [
+        (loaded, bypass, loaded.denoiser, *_denoiser_inputs(loaded, manifest))
+        for loaded, bypass in cases
+    ]
+    times: list[list[float]] = [[] for _ in cases]
     with torch.inference_mode():
         for i in range(repeats + 1):
-            for index, (denoiser, args, kwargs) in enumerate(calls):
+            for index, (loaded, bypass, denoiser, args, kwargs) in enumerate(calls):
                 started = time.perf_counter()
-                denoiser(*args, **kwargs)
+                with loaded.adapters.bypassed() if bypass else contextlib.nullcontext():
+                    denoiser(*args, **kwargs)
                 if i:
                     times[index].append(time.perf_counter() - started)
     return [statistics.median(t) * 1000 for t in times]

@@ -1,6 +1,8 @@
 """kiln's own overhead, measured side by side in one run on the same model, request and seeds:
 
-  bare    the resident diffusers pipeline called in a loop, saving a PNG: the limit
+  bare    diffusers' own pipeline, from_pretrained and called in a loop, saving a PNG: the
+          limit (not kiln's load: that one carries the manifest's LoRA slots, whose cost on a
+          job that names no adapter is part of what is measured)
   engine  kiln's Renderer called directly (no queue)
   queue   submit() -> Redis -> `kiln worker` -> wait(), one job in flight
   naive   a fresh process per job that imports, loads and renders (what kiln exists to avoid)
@@ -51,16 +53,23 @@ def request(steps: int, size: int, seed: int) -> dict[str, Any]:
     }
 
 
-def naive_job(models_dir: str, out_dir: str, steps: int, size: int, seed: int) -> str:
-    """Import, load and render in this process, as a script without a resident worker would.
-    Also the function RQ's forking worker runs (by import path, pickled arguments)."""
-    import torch
+def plain_pipeline(models_dir: str) -> Any:
+    """The model as diffusers alone loads it: no LoRA slots, no kiln switches."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(
         str(Path(models_dir) / MODEL), safety_checker=None, requires_safety_checker=False
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def naive_job(models_dir: str, out_dir: str, steps: int, size: int, seed: int) -> str:
+    """Import, load and render in this process, as a script without a resident worker would.
+    Also the function RQ's forking worker runs (by import path, pickled arguments)."""
+    import torch
+
+    pipe = plain_pipeline(models_dir)
     image = pipe(
         PROMPT,
         num_inference_steps=steps,
@@ -125,8 +134,6 @@ def measure_fast(
 
     from api_client import KilnClient
     from worker.manifest import load_manifests
-    from worker.memory.faults import FaultPlan
-    from worker.pipelines.loading import load_pipeline
     from worker.render.context import LocalContext
     from worker.render.renderer import Renderer
     from worker.settings import Settings
@@ -134,7 +141,7 @@ def measure_fast(
     settings = Settings(output_dir=work / "engine", timings_log=work / "engine" / "timings.jsonl")
     manifests = load_manifests(settings.manifests, [MODEL])
     renderer = Renderer(settings, manifests)
-    bare_pipe = load_pipeline(manifests[MODEL], "full", renderer.info, settings, FaultPlan()).pipe
+    bare_pipe = plain_pipeline(str(models_dir))
     client = KilnClient(connection=conn, manifests_dir=settings.manifests)
     (work / "bare").mkdir(exist_ok=True)
 

@@ -1,6 +1,7 @@
 """Per-job LoRA (#17 item 3): adapters a manifest allows, named per request with weights,
-hot-swapped into slots on the resident denoiser; the record and the image's details carry them;
-(slow) alternating adapters on a compiled tiny model builds no new graph."""
+hot-swapped into slots on the resident denoiser, bypassed by jobs that name none; the record
+and the image's details carry them; (slow) alternating adapters on a compiled tiny model builds
+the slotted graphs once, beside the plain ones, and nothing after."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from worker.files.details import read_details
 from worker.manifest import load_manifests
 from worker.pipelines.adapters import AdapterRefused, AdapterSlots
 from worker.pipelines.tiny.lora import TINY_LORAS, WEIGHT_NAME
+from worker.render.context import LocalContext
 
 FAMILIES = ["sd15", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
 
@@ -55,8 +57,18 @@ def test_a_lora_job_renders_through_a_worker_and_swapping_back_reproduces(
         [{"name": "detail"}],
         None,
     ]
-    jobs = [client.submit({**base, **({"loras": a} if a else {})}) for a in asks]
-    burst(redis_conn, make_renderer(settings, [model]), [model])
+    renderer = make_renderer(settings, [model])
+    jobs, wrapper_calls = [], []
+    for ask in asks:  # one at a time, counting the calls into the denoiser's LoRA wrappers
+        jobs.append(client.submit({**base, **({"loras": ask} if ask else {})}))
+        calls = WrapperCalls(renderer, model)
+        burst(redis_conn, renderer, [model])
+        wrapper_calls.append(calls.count)
+        slots = renderer.cache.get(model).adapters
+        assert slots and all(getattr(p, n) is w for p, n, w in slots.wrappers), "wrappers back"
+    # A job that names no adapter runs the denoiser without its slots (the first job loads the
+    # pipeline, so nothing counted it); one that names any runs through them.
+    assert wrapper_calls[5] == 0 and all(n > 0 for n in wrapper_calls[1:5]), wrapper_calls
     by_id = {r.job_id: r for r in records(settings.timings_log)}
     got = [by_id[j.id] for j in jobs]
     assert all(r.status == "done" for r in got), [r.error for r in got]
@@ -81,6 +93,36 @@ def test_a_lora_job_renders_through_a_worker_and_swapping_back_reproduces(
     assert (
         applied["loras"].startswith("2 hot-swap slot(s)") and "padded to rank 8" in applied["loras"]
     )
+
+
+class WrapperCalls:
+    """Counts forward calls into the model's LoRA wrappers, once the renderer holds it."""
+
+    def __init__(self, renderer: Any, model: str) -> None:
+        self.count = 0
+        loaded = renderer.cache.get(model)
+        slots = loaded.adapters if loaded else None
+        for _, _, wrapper in slots.wrappers if slots else []:
+            wrapper.register_forward_hook(self._called)
+
+    def _called(self, *_: Any) -> None:
+        self.count += 1
+
+
+def test_slots_stand_back_in_place_whatever_ends_a_bypassed_job(settings: Any) -> None:
+    """The wrappers leave their parents only inside bypassed(), and are back after an error."""
+    renderer = make_renderer(settings, ["tiny-sd15"])
+    renderer.render({"model": "tiny-sd15", "prompt": "x", "steps": 1}, LocalContext("bypass"))
+    slots = renderer.cache.get("tiny-sd15").adapters
+    assert slots is not None and len(slots.wrappers) >= 4
+    parent, name, wrapper = slots.wrappers[0]
+    with pytest.raises(RuntimeError, match="out of memory"), slots.bypassed():
+        assert getattr(parent, name) is wrapper.base_layer
+        raise RuntimeError("CUDA out of memory (as a denoise would raise it)")
+    assert all(getattr(p, n) is w for p, n, w in slots.wrappers)
+    slots.apply([LoraChoice(name="style", weight=0.5)])
+    with slots.bypassed():  # a slot in use: nothing is bypassed
+        assert getattr(parent, name) is wrapper
 
 
 def test_the_image_carries_its_adapters_and_replays_with_them(
@@ -190,11 +232,13 @@ def test_manifest_lora_entries_are_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_alternating_adapters_on_a_compiled_model_recompiles_nothing(
+def test_alternating_adapters_on_a_compiled_model_compiles_each_branch_once(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    """The issue's test: after a warm-up job per adapter set, A, B, A, none, A builds 0 graphs;
-    the images differ, and going back to A gives A's pixels exactly."""
+    """A compiled denoiser keeps two sets of graphs: the plain one (jobs that name no adapter
+    bypass the slots) and the slotted one, built at the first adapter job with its cause named.
+    After that, B, A, none, B, A build 0 graphs; the images differ, and going back to A gives
+    A's pixels exactly."""
     settings = make_settings(compile="on")
     client = client_for(redis_conn, settings)
     base = {"model": "tiny-sd15", "prompt": "compiled", "steps": 2, "seed": 4}
@@ -204,7 +248,9 @@ def test_alternating_adapters_on_a_compiled_model_recompiles_nothing(
     burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
     got = [records(settings.timings_log)[i] for i in range(len(order))]
     assert all(r.status == "done" and r.compiled for r in got), [r.error for r in got]
-    assert got[-1].recompiles == 0 and all(r.recompile_causes == [] for r in got[1:])
+    assert got[1].recompiles > 0 and got[1].recompile_causes[0].startswith("new adapter set")
+    assert got[-1].recompiles == got[1].recompiles
+    assert all(r.recompile_causes == [] for r in got[2:]), [r.recompile_causes for r in got]
     shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
     assert not np.array_equal(shown[1], shown[2]) and not np.array_equal(shown[0], shown[1])
     assert np.array_equal(shown[1], shown[3]) and np.array_equal(shown[1], shown[6])

@@ -14,11 +14,11 @@ from redis import Redis
 
 from api_client import KilnClient, keys
 from api_client.schema import WorkerState
-from worker.queue.claim import Claimer
 from tests.conftest import MANIFESTS, kiln
 from tests.fixtures.gate import Gate
 from tests.helpers import enqueue_raw
 from tests.workers import WorkerProcess, gated, wait_until
+from worker.queue.claim import Claimer
 
 RQ = str(Path(sys.executable).parent / "rq")
 REQUEST = {"model": "tiny-sd15", "prompt": "drain", "steps": 4}

@@ -170,7 +170,7 @@ def _prepare_adapters(loaded: LoadedPipeline, settings: Settings) -> None:
         "applied",
         "loras",
         f"{len(slots.names)} hot-swap slot(s) on the {denoiser} for {ranks}, padded to rank"
-        f" {max(s.max_rank for s in manifest.loras.values())}",
+        f" {max(s.max_rank for s in manifest.loras.values())}; bypassed by jobs that use none",
     )
 
 

@@ -150,9 +150,7 @@ class Claimer:
         moment = time.monotonic()
         # A suspended worker reads the key on every claim: one that skipped it would take a job
         # woken by its event within a second of finding the fleet suspended.
-        read_suspension = (
-            self.suspended or moment - self._suspension_read_at >= SUSPENSION_EVERY_S
-        )
+        read_suspension = self.suspended or moment - self._suspension_read_at >= SUSPENSION_EVERY_S
         index, job_id, dropped, last, record, start = self._script(
             keys=[WORKERS_SUSPENDED, *streams, *(k for pair in registries for k in pair)],
             args=[

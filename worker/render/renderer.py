@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -292,19 +292,22 @@ class Renderer:
             mode = request.mode or "txt2img"
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
+            # A job that uses no adapter runs the denoiser without its LoRA slots.
+            slots = loaded.adapters.bypassed() if loaded.adapters else nullcontext()
             try:
-                images, decoded = generate(
-                    loaded,
-                    request,
-                    job.ctx,
-                    watch,
-                    record,
-                    info=self.info,
-                    faults=self.faults,
-                    store=self.store,
-                    sources=job.sources,
-                    decode=decode,
-                )
+                with slots:
+                    images, decoded = generate(
+                        loaded,
+                        request,
+                        job.ctx,
+                        watch,
+                        record,
+                        info=self.info,
+                        faults=self.faults,
+                        store=self.store,
+                        sources=job.sources,
+                        decode=decode,
+                    )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):
                     raise
