@@ -159,6 +159,14 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
             assert result.worker == owners[job.id]
             fields = conn.hmget(f"rq:job:{job.id}", ["number_of_retries", "retries_left"])
             assert fields[0] in (None, b"0"), "the job was re-queued as abandoned"
+        # Each record is published after its end is committed (the client can be ahead of it).
+        wait_until(
+            lambda: (
+                len([r for r in records(settings.timings_log) if r.job_id in owners]) >= len(owners)
+            ),
+            30,
+            "every job's timing record",
+        )
         done = [r for r in records(settings.timings_log) if r.job_id in owners]
         assert sorted((r.job_id, r.status, r.worker) for r in done) == sorted(
             (job_id, "done", worker) for job_id, worker in owners.items()
