@@ -68,7 +68,13 @@ def serve(
         return 1
     # Heavy imports only now, and all of them before the first job, so no job pays them.
     started = time.perf_counter()
+    # Before them: importing torchao asks torch for its Inductor cache directory, which pins
+    # TORCHINDUCTOR_CACHE_DIR to torch's default (/tmp) if kiln has not set its own yet.
+    from worker.pipelines.compile import use_persistent_cache
+
+    use_persistent_cache(settings)
     from worker.memory import device as dev
+    from worker.pipelines.compile_cache import CompileCache
     from worker.pipelines.loading import import_pipeline_classes
     from worker.queue.build import make_worker, open_queues
     from worker.queue.lanes import LaneOrder
@@ -95,6 +101,9 @@ def serve(
         faults=faults,
         webhook_targets=targets,
         upcoming=lanes.upcoming_model,
+        compile_cache=CompileCache(
+            connection, int(settings.compile_cache_mb * 2**20), settings.compile_cache_ttl_s
+        ),
     )
     worker = make_worker(
         connection, renderer, queues, lanes=lanes, records=records, webhooks=webhooks

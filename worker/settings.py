@@ -172,6 +172,15 @@ class Settings(BaseSettings):
     inductor_cache_dir: Path = Field(
         Path.home() / ".cache" / "kiln" / "inductor", description="Persistent torch.compile cache"
     )
+    compile_cache_mb: float = Field(
+        1024.0,
+        ge=0,
+        description="The fleet's compile cache in Redis (kiln-fleet:*): at most this many MiB of"
+        " bundles of compiled code, least recently used dropped first; 0 = share nothing",
+    )
+    compile_cache_ttl_s: int = Field(
+        14 * 86400, ge=60, description="A shared compile bundle lives this long from its last use"
+    )
     sdpa: Switch = "auto"
     channels_last: Switch = "auto"
     quantize: Switch = "auto"

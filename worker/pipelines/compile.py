@@ -17,7 +17,8 @@ DYNAMIC: bool | None = None
 
 
 def use_persistent_cache(settings: Settings) -> None:
-    """TORCHINDUCTOR_CACHE_DIR keeps its usual meaning; kiln only sets a default."""
+    """TORCHINDUCTOR_CACHE_DIR keeps its usual meaning; kiln only sets a default. Called before
+    torchao is imported (worker/serve.py): that import fixes torch's default in the environment."""
     settings.inductor_cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.inductor_cache_dir))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")

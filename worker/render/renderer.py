@@ -35,6 +35,7 @@ from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
 from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
 from worker.pipelines.compile import graphs_compiled
+from worker.pipelines.compile_cache import CompileCache, compile_key
 from worker.pipelines.families import cfg_active
 from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
@@ -86,6 +87,7 @@ class Renderer:
         faults: FaultPlan | None = None,
         webhook_targets: Mapping[str, WebhookTarget] | None = None,
         upcoming: Callable[[], str | None] | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.settings = settings
         # Parsed once by the composition root (worker/serve.py); a test or bench parses its own.
@@ -104,6 +106,9 @@ class Renderer:
         # which model that is (a queue worker's lane order; worker.pipelines.prefetch).
         self.prefetcher = Prefetcher(self.cache, manifests, self.info, settings, upcoming)
         self.profiling = False  # label phases for torch.profiler (`kiln profile`)
+        # Compiled code shared with the fleet through Redis (worker/serve.py gives it one);
+        # without it jobs still say how long they compiled and whether from the local cache.
+        self.compile_cache = compile_cache or CompileCache(None, 0, 0)
 
     @property
     def store(self) -> Store:
@@ -294,8 +299,10 @@ class Renderer:
             start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
             # A job that uses no adapter runs the denoiser without its LoRA slots.
             slots = loaded.adapters.bypassed() if loaded.adapters else nullcontext()
+            shape, device = (*size, request.num_images), self.info.torch_device
+            key = compile_key(loaded, device, shape, cfg=cfg, mode=mode, adapters=bool(loras))
             try:
-                with slots:
+                with self.compile_cache.job(key if loaded.compiled else None) as compiling, slots:
                     images, decoded = generate(
                         loaded,
                         request,
@@ -317,6 +324,8 @@ class Renderer:
                 )
                 continue
             built = graphs_compiled() - graphs_before
+            record.compile_s = round(record.compile_s + compiling.seconds, 3)
+            record.compile_source = compiling.source or record.compile_source
             loaded.adapter_sets.add(loras)
             # Not where a decode retried a rung lower (two pipelines), nor on a CPU beside a
             # read ahead (it grows the resident set a CPU job's peak is taken from).

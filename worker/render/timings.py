@@ -134,6 +134,11 @@ class TimingRecord(BaseModel):
     recompiles: int = 0  # graphs torch.compile rebuilt for this pipeline after its first job
     # One entry per job of this pipeline that rebuilt graphs: what was new ("new size 192x128").
     recompile_causes: list[str] = Field(default_factory=list)
+    # Seconds this job spent in torch.compile, and where its code came from: compiled here
+    # (cold), this worker's Inductor cache (local), or a bundle another worker shared (fleet).
+    # None: it compiled nothing (eager, or graphs this process already held).
+    compile_s: float = 0.0
+    compile_source: Literal["cold", "local", "fleet"] | None = None
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)

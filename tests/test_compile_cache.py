@@ -1,0 +1,225 @@
+"""The fleet's compile cache (worker/pipelines/compile_cache.py): bundles in a real Redis, filled by
+a stand-in compile (tests/fixtures/fake_compile.py) in the fast tests, and by real torch.compile
+in two `kiln worker` processes with separate empty Inductor caches in the slow one."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from redis import Redis
+
+from tests.conftest import kiln
+from tests.fixtures.fake_compile import compile_or_load, graph_files
+from tests.helpers import client_for, records
+from tests.workers import wait_until
+from worker.pipelines.compile_cache import (
+    INDEX_KEY,
+    PREFIX,
+    SIZES_KEY,
+    CompileCache,
+    CompileKey,
+    CompileRun,
+)
+
+MB = 2**20
+
+
+def pixels(path: str) -> np.ndarray[Any, Any]:
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def key(shape: str = "128x128 x1 cfg=on txt2img plain", device: str = "cpu: test") -> CompileKey:
+    return CompileKey(
+        "2.13.0+abc",
+        device,
+        "tiny-sd15 x@- variant=- q=",
+        "fp32",
+        "full",
+        "regional dynamic=None",
+        shape,
+    )
+
+
+def cache(conn: Redis | None, root: Path, limit: int = 64 * MB, ttl: int = 3600) -> CompileCache:
+    root.mkdir(parents=True, exist_ok=True)
+    return CompileCache(conn, limit, ttl, root=root)
+
+
+def job(fleet: CompileCache, k: CompileKey | None, graph: str = "1") -> CompileRun:
+    with fleet.job(k) as run:
+        compile_or_load(fleet.directory, graph)
+    return run
+
+
+def test_a_fresh_worker_loads_what_another_compiled_and_says_fleet(
+    redis_conn: Redis, tmp_path: Path
+) -> None:
+    first = job(cache(redis_conn, tmp_path / "a"), key())
+    assert (first.source, first.seconds, first.fetched) == ("cold", 2.0, False)
+    assert redis_conn.zcard(INDEX_KEY) == 1
+    fresh = cache(redis_conn, tmp_path / "b")
+    second = job(fresh, key())
+    assert (second.source, second.seconds, second.fetched) == ("fleet", 0.2, True)
+    for name in graph_files("1")[:3]:  # every file but the lock, byte for byte
+        assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes()
+    assert not (tmp_path / "b" / "locks").exists()
+    # The compiling worker restarted on its own disk: local, nothing fetched.
+    again = job(cache(redis_conn, tmp_path / "a"), key())
+    assert (again.source, again.fetched) == ("local", False)
+
+
+def test_another_key_finds_nothing_and_compiles_cold(redis_conn: Redis, tmp_path: Path) -> None:
+    job(cache(redis_conn, tmp_path / "a"), key())
+    for other in (key(shape="192x128 x1 cfg=on txt2img plain"), key(device="cuda: H100")):
+        run = job(cache(redis_conn, tmp_path / other.digest), other, graph="2")
+        assert (run.source, run.fetched) == ("cold", False)
+    assert redis_conn.zcard(INDEX_KEY) == 3
+
+
+def test_a_job_that_compiles_nothing_has_no_source(redis_conn: Redis, tmp_path: Path) -> None:
+    fleet = cache(redis_conn, tmp_path / "a")
+    with fleet.job(key()) as run:
+        pass
+    assert (run.source, run.seconds) == (None, 0.0)
+    with fleet.job(None) as eager:  # an uncompiled pipeline: never looked up, never shared
+        compile_or_load(fleet.directory)
+    assert eager.source is None and redis_conn.zcard(INDEX_KEY) == 0
+
+
+def test_a_later_graph_of_the_same_key_joins_its_bundle(redis_conn: Redis, tmp_path: Path) -> None:
+    """A worker whose fleet bundle lacked a graph compiles it and shares the union."""
+    job(cache(redis_conn, tmp_path / "a"), key(), graph="1")
+    b = cache(redis_conn, tmp_path / "b")
+    with b.job(key()) as run:
+        compile_or_load(b.directory, "1")
+        compile_or_load(b.directory, "2")
+    assert run.source == "cold" and run.fetched
+    meta = json.loads(redis_conn.hget(PREFIX + key().digest, "meta") or b"")
+    assert set(meta["files"]) == {n for n in graph_files("1") + graph_files("2") if "lock" not in n}
+    both = job(cache(redis_conn, tmp_path / "c"), key())
+    assert both.source == "fleet" and (tmp_path / "c" / "zv/czv2.so").exists()
+
+
+def _forge(conn: Redis, k: CompileKey, meta: dict[str, object], files: dict[str, bytes]) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob = buffer.getvalue()
+    header = {
+        "format": 1,
+        "key": k.__dict__,
+        "files": list(files),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        **meta,
+    }
+    conn.hset(PREFIX + k.digest, mapping={"meta": json.dumps(header), "tar": blob})
+
+
+@pytest.mark.parametrize(
+    ("meta", "files"),
+    [
+        ({"key": {"torch": "another build"}}, {"zv/czv1.so": b"x"}),  # header of another key
+        ({"sha256": "0" * 64}, {"zv/czv1.so": b"x"}),  # bytes not the header's
+        ({"format": 99}, {"zv/czv1.so": b"x"}),
+        ({}, {"../escaped.so": b"x"}),  # a file outside the cache directory
+        ({}, {"/tmp/absolute.so": b"x"}),
+    ],
+    ids=["key", "sha256", "format", "dotdot", "absolute"],
+)
+def test_a_bundle_this_worker_must_not_trust_is_never_unpacked(
+    redis_conn: Redis, tmp_path: Path, meta: dict[str, object], files: dict[str, bytes]
+) -> None:
+    _forge(redis_conn, key(), meta, files)
+    root = tmp_path / "cache" / "inductor"
+    run = job(cache(redis_conn, root), key())
+    assert (run.source, run.fetched) == ("cold", False)
+    assert not (tmp_path / "cache" / "escaped.so").exists()
+    assert not Path("/tmp/absolute.so").exists()
+    assert (root / "zv/czv1.so").read_bytes() != b"x"
+
+
+def test_bundles_are_bounded_in_bytes_least_recently_used_out(
+    redis_conn: Redis, tmp_path: Path
+) -> None:
+    probe = cache(redis_conn, tmp_path / "probe")
+    job(probe, key(shape="probe"))
+    size = int(redis_conn.hget(SIZES_KEY, key(shape="probe").digest) or 0)
+    assert size > 0
+    redis_conn.delete(PREFIX + key(shape="probe").digest)  # expired: pruned at the next trim
+    shapes = ["s1", "s2", "s3"]
+    fleet = cache(redis_conn, tmp_path / "a", limit=int(size * 2.5))
+    for n, shape in enumerate(shapes):
+        job(fleet, key(shape=shape), graph=str(n + 3))
+    kept = {k.decode() for k in redis_conn.zrange(INDEX_KEY, 0, -1)}
+    assert kept == {key(shape="s2").digest, key(shape="s3").digest}
+    assert not redis_conn.exists(PREFIX + key(shape="s1").digest)
+    stored = sum(int(redis_conn.hget(SIZES_KEY, key(shape=s).digest) or 0) for s in ("s2", "s3"))
+    assert fleet.stats() == {"entries": 2, "bytes": stored} and stored <= size * 2.5
+    assert 0 < redis_conn.ttl(PREFIX + key(shape="s3").digest) <= 3600
+
+
+def test_a_bundle_over_the_whole_limit_is_not_shared(redis_conn: Redis, tmp_path: Path) -> None:
+    run = job(cache(redis_conn, tmp_path / "a", limit=100), key())
+    assert run.source == "cold"
+    assert redis_conn.zcard(INDEX_KEY) == 0 and not redis_conn.keys(f"{PREFIX}*")
+
+
+@pytest.mark.parametrize("conn", [None, "limit 0"])
+def test_sharing_off_still_says_cold_or_local(
+    redis_conn: Redis, tmp_path: Path, conn: str | None
+) -> None:
+    connection, limit = (None, MB) if conn is None else (redis_conn, 0)
+    fleet = CompileCache(connection, limit, 3600, root=tmp_path)
+    assert job(fleet, key()).source == "cold"
+    assert job(CompileCache(connection, limit, 3600, root=tmp_path), key()).source == "local"
+    assert redis_conn.dbsize() == 0
+
+
+@pytest.mark.slow
+def test_two_workers_with_empty_caches_compile_once_per_fleet(
+    redis_conn: Redis, kiln_env: dict[str, str], settings: Any, tmp_path: Path
+) -> None:
+    """Worker a compiles cold and shares; worker b, its own empty Inductor cache on the same
+    Redis, loads a's bundle (fleet) in at most a quarter of a's compile time, to the same pixels;
+    a again, on its own disk, is local. Each is a fresh `kiln worker --burst` process."""
+    env = {k: v for k, v in kiln_env.items() if not k.startswith("TORCHINDUCTOR")}
+    client = client_for(redis_conn, settings)
+    request = {"model": "tiny-sd15", "prompt": "fleet", "steps": 2, "seed": 5}
+    results = []
+    for cache_dir in ("a", "b", "a"):
+        job = client.submit(request)
+        run_env = {
+            **env,
+            "KILN_COMPILE": "on",
+            "KILN_INDUCTOR_CACHE_DIR": str(tmp_path / cache_dir),
+        }
+        done = kiln("worker", "--burst", "--models", "tiny-sd15", env=run_env, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        results.append(job.wait(timeout=10))
+    cold, fleet, local = wait_until(
+        lambda: (
+            [r for r in records(settings.timings_log) if r.status == "done"][-3:]
+            if len(records(settings.timings_log)) >= 3
+            else None
+        ),
+        30,
+        "three timing records",
+    )
+    assert [r.compile_source for r in (cold, fleet, local)] == ["cold", "fleet", "local"]
+    assert all(r.compiled for r in (cold, fleet, local))
+    assert 0 < fleet.compile_s <= cold.compile_s / 4, (cold.compile_s, fleet.compile_s)
+    first, *others = [pixels(r.images[0].path or "") for r in results]
+    assert all(np.array_equal(first, other) for other in others)
+    assert CompileCache(redis_conn, MB, 60).stats()["entries"] == 1
