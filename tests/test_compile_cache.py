@@ -223,3 +223,15 @@ def test_two_workers_with_empty_caches_compile_once_per_fleet(
     first, *others = [pixels(r.images[0].path or "") for r in results]
     assert all(np.array_equal(first, other) for other in others)
     assert CompileCache(redis_conn, MB, 60).stats()["entries"] == 1
+
+
+def test_doctor_shows_the_shared_cache(
+    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    job(cache(redis_conn, tmp_path / "a"), key())
+    size = int(redis_conn.hget(SIZES_KEY, key().digest) or 0)
+    done = kiln("doctor", "--json", env={**kiln_env, "KILN_COMPILE_CACHE_MB": "64"})
+    assert json.loads(done.stdout)["fleet_compile"] == {"entries": 1, "bytes": size}
+    text = kiln("doctor", env={**kiln_env, "KILN_COMPILE_CACHE_TTL_S": "86400"}).stdout
+    assert f"fleet cache   1 compile bundle(s), {size / MB:.1f} MiB of 1024 MiB" in text
+    assert "each kept 1 day(s) from its last use" in text

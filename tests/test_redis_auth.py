@@ -25,10 +25,11 @@ from tests.workers import (
     slow_manifests,
     wait_until,
 )
+from worker.pipelines.compile_cache import PREFIX, CompileCache
 
 # The ACLs kiln documents for operators (README "Redis ACLs"); these tests prove they suffice.
 WORKER_ACL = (
-    "user kiln-worker on >worker-secret ~rq:* ~kiln:* &rq:pubsub:* "
+    "user kiln-worker on >worker-secret ~rq:* ~kiln:* ~kiln-fleet:* &rq:pubsub:* "
     "-@all +@read +@write +@keyspace +@list +@hash +@set +@sortedset +@string +@transaction "
     "+@scripting +@pubsub +@connection -@dangerous +info +client|setname +client|list"
 )
@@ -127,6 +128,13 @@ def test_worker_and_client_work_over_tls_with_their_acl_users(deployment: Deploy
         Redis.from_url(deployment.anonymous_url).set("kiln:x", 1)
     with pytest.raises(ResponseError, match="no permissions"):
         Redis.from_url(deployment.client_url).flushdb()
+    # The fleet's compiled code (worker/pipelines/compile_cache.py) is the workers' alone.
+    fleet = CompileCache(Redis.from_url(deployment.worker_url), 2**20, 60)
+    assert fleet.stats() == {"entries": 0, "bytes": 0}
+    with pytest.raises(ResponseError, match="no permissions"):
+        CompileCache(Redis.from_url(deployment.client_url), 2**20, 60).stats()
+    with pytest.raises(ResponseError, match="no permissions"):
+        Redis.from_url(deployment.client_url).hset(f"{PREFIX}x", "tar", b"code")
     assert "could not connect" not in deployment.worker.output()
     assert "no permissions" not in deployment.worker.output(), deployment.worker.output()
 

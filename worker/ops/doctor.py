@@ -29,6 +29,7 @@ from worker.memory.ladder import GB, Ladder, pick_rung, rung_need_gb, usable_gb
 from worker.memory.peaks import WRONG_BY, Comparison, PeakBook, card_kind, comparisons
 from worker.ops.plan import ModelPlan, plan_lines, plan_manifests
 from worker.pipelines.compile import compile_available
+from worker.pipelines.compile_cache import CompileCache
 from worker.pipelines.loading import fit_for, load_pipeline
 from worker.pipelines.prefetch import off_reason
 from worker.pipelines.quantize import torchao_version, try_scheme, unsupported_reason
@@ -68,6 +69,8 @@ class DoctorReport:
     redis_ok: bool
     # What a restart of that Redis would keep, and what it may evict (durability_lines).
     durability: list[str] = field(default_factory=list)
+    # The fleet's compile cache in that Redis: bundles alive and their bytes.
+    fleet_compile: dict[str, int] = field(default_factory=dict)
     model: ModelCheck | None = None
     # What this card kind measured (kiln:peaks) beside what the manifests declare.
     measured: list[Comparison] = field(default_factory=list)
@@ -122,6 +125,7 @@ def _json_report(report: DoctorReport) -> list[dict[str, object]] | dict[str, ob
         "torchao": report.torchao,
         "redis": report.redis,
         "durability": report.durability,
+        "fleet_compile": report.fleet_compile,
         "measured": [
             {
                 "shape": c.shape,
@@ -155,6 +159,7 @@ def collect(settings: Settings, model: str | None = None) -> DoctorReport:
         redis=redis_line,
         redis_ok=redis_ok,
         durability=durability,
+        fleet_compile=_fleet_compile(settings) if redis_ok else {},
         model=_check_model(settings, info, model) if model else None,
         measured=_measured(settings, info) if redis_ok else [],
     )
@@ -210,6 +215,11 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         "  torchao       " + "; ".join(f"{k}: {v}" for k, v in report.torchao.items()),
         f"  redis         {report.redis}",
         *(f"  durability    {line}" for line in report.durability),
+        *(
+            [f"  fleet cache   {_fleet_line(report.fleet_compile, settings)}"]
+            if report.redis_ok
+            else []
+        ),
         f"  store         {_store_line(settings)}",
         "  switches      " + ", ".join(f"{name}={settings.switch(name)}" for name in SWITCH_NAMES),
         f"  model cache   {_cache_line(settings, info)}",
@@ -310,6 +320,21 @@ def _compile_line(settings: Settings, info: DeviceInfo) -> str:
         f"available; KILN_COMPILE={settings.compile} -> {effective} at the"
         f" {rungs.compiling()} rung;"
         f" inductor cache {settings.inductor_cache_dir}"
+    )
+
+
+def _fleet_compile(settings: Settings) -> dict[str, int]:
+    return CompileCache(connect(settings.redis_url), 0, 0).stats()
+
+
+def _fleet_line(stats: dict[str, int], settings: Settings) -> str:
+    """The shared compile cache (worker/pipelines/compile_cache.py) against its bounds."""
+    if settings.compile_cache_mb == 0:
+        return f"off (KILN_COMPILE_CACHE_MB=0); {stats['entries']} bundle(s) left in Redis"
+    return (
+        f"{stats['entries']} compile bundle(s), {stats['bytes'] / 2**20:.1f} MiB of"
+        f" {settings.compile_cache_mb:g} MiB (KILN_COMPILE_CACHE_MB), each kept"
+        f" {settings.compile_cache_ttl_s / 86400:g} day(s) from its last use"
     )
 
 
