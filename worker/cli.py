@@ -336,21 +336,29 @@ def _settings(**overrides: Any) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from worker.startup import StartClock
+
+    clock = StartClock.from_process_start()
+    clock.lap("interpreter")
     from worker.errors import ManifestDirectoryInvalid
     from worker.manifest import load_manifests
 
     settings = _settings(
         memory_mode=args.memory_mode, metrics_port=args.metrics_port, models=args.models
     )
+    clock.lap("settings")
     only = list(settings.models) or None  # --models over KILN_MODELS; none: what is here
     try:
         manifests = load_manifests(settings.manifests, only)
     except ManifestDirectoryInvalid as exc:
         print(f"kiln worker: refusing to start on invalid manifests:\n{exc}", file=sys.stderr)
         return 1
+    clock.lap("manifests")
     from worker.serve import serve
 
-    return serve(settings, manifests, burst=args.burst, name=args.name, prewarm=args.prewarm)
+    return serve(
+        settings, manifests, burst=args.burst, name=args.name, prewarm=args.prewarm, clock=clock
+    )
 
 
 def _manifests_check(args: argparse.Namespace) -> int:

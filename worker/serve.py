@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -19,8 +18,13 @@ from worker.errors import InvalidFaults, StoreError
 from worker.files.store import open_store
 from worker.memory.faults import FaultPlan, arm_crashes
 from worker.settings import Settings, WebhooksInvalid, parse_targets
+from worker.startup import StartClock
+
+if TYPE_CHECKING:
+    from worker.render.timings import TimingRecord
 
 log = structlog.get_logger("kiln.worker")
+PREWARM_PREFIX = "prewarm-"  # the job id of each --prewarm render
 
 
 def serve(
@@ -30,7 +34,9 @@ def serve(
     burst: bool,
     name: str | None,
     prewarm: bool = False,
+    clock: StartClock | None = None,
 ) -> int:
+    clock = clock or StartClock.from_process_start()
     logs.configure(settings.log_format, secrets=settings.secrets())
     try:
         faults = FaultPlan.parse(settings.faults)
@@ -52,6 +58,7 @@ def serve(
     connection = worker_connection(settings.redis_url)
     watch_connection(connection)
     connection.ping()
+    clock.lap("redis")
     servable = sorted(m.id for m in manifests.values() if not m.benchmark_only)
     if not settings.models:
         # None named (--models, KILN_MODELS): serve what is here, never start pulling the
@@ -66,8 +73,8 @@ def serve(
     # Weights before jobs: a download never runs under a job's timeout.
     if not ensure_weights(settings, {m: manifests[m] for m in servable}):
         return 1
+    clock.lap("weights")
     # Heavy imports only now, and all of them before the first job, so no job pays them.
-    started = time.perf_counter()
     # Before them: importing torchao asks torch for its Inductor cache directory, which pins
     # TORCHINDUCTOR_CACHE_DIR to torch's default (/tmp) if kiln has not set its own yet.
     from worker.pipelines.compile import use_persistent_cache
@@ -84,13 +91,20 @@ def serve(
 
     import_pipeline_classes([manifests[m] for m in servable])
     logs.route_library_logs()  # diffusers and transformers log through their own handlers
-    imported = time.perf_counter()
+    clock.lap("imports")
     info = dev.probe(settings)
+    clock.lap("device")
     name = name or default_worker_name()
     # Every collaborator built here, once, and handed in: no constructor rewires another.
     queues = open_queues(connection, servable)
     lanes = LaneOrder(queues)  # the order of the next pop, and so the model read ahead
-    records = RecordPublisher()  # each job's record: metrics and the model's timing fit
+    published = RecordPublisher()  # each job's record: metrics and the model's timing fit
+
+    def records(record: TimingRecord) -> None:
+        if record.job_id.startswith(PREWARM_PREFIX):  # part of the start: its load and compile
+            clock.prewarmed(record.timings.load, record.compile_s)
+        published(record)
+
     webhooks = Dispatcher.from_settings(settings, targets, connection)
     renderer = Renderer(
         settings,
@@ -106,11 +120,12 @@ def serve(
         ),
     )
     worker = make_worker(
-        connection, renderer, queues, lanes=lanes, records=records, webhooks=webhooks
+        connection, renderer, queues, lanes=lanes, records=published, webhooks=webhooks
     )
-    set_up = time.perf_counter()
+    clock.lap("setup")
     if prewarm:
         warm(renderer, servable, worker.name)
+        clock.lap("prewarm")
     if settings.metrics_port:
         from worker.queue.metrics import start_metrics
 
@@ -128,11 +143,7 @@ def serve(
         # KILN_FAULTS crash@POINT drills armed in this process (it ends itself at each)
         **({"crash_points": armed} if armed else {}),
         redis=redacted(settings.redis_url),
-        startup_s={
-            "import": round(imported - started, 3),
-            "setup": round(set_up - imported, 3),
-            "prewarm": round(time.perf_counter() - set_up, 3),
-        },
+        startup_s=clock.report(),
     )
     worker.work(burst=burst, logging_level=logging.getLevelName(logging.WARNING))
     if worker.fatal is not None:
@@ -207,7 +218,7 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
                 "width": width,
                 "height": height,
             }
-            job_id = f"prewarm-{worker_name}-{start}-{model_id}-{width}x{height}"
+            job_id = f"{PREWARM_PREFIX}{worker_name}-{start}-{model_id}-{width}x{height}"
             try:
                 renderer.render(request, LocalContext(job_id))
                 # Nobody asked for these images; one directory per start would pile up.

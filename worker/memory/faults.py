@@ -22,8 +22,6 @@ import re
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from worker.errors import InvalidFaults
 from worker.memory import rungs
 
@@ -86,6 +84,8 @@ class FaultPlan:
                         "CUDA error: an illegal memory access was encountered"
                         f" (KILN_FAULTS drill: device lost in {phase} at rung {rung})"
                     )
+                import torch  # here, so `kiln worker` reaches Redis before torch is imported
+
                 raise torch.OutOfMemoryError(
                     f"KILN_FAULTS drill: injected out of memory in {phase} at rung {rung}"
                 )
