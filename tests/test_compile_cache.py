@@ -54,9 +54,13 @@ def cache(conn: Redis | None, root: Path, limit: int = 64 * MB, ttl: int = 3600)
     return CompileCache(conn, limit, ttl, root=root)
 
 
-def job(fleet: CompileCache, k: CompileKey | None, graph: str = "1") -> CompileRun:
-    with fleet.job(k) as run:
+def job(fleet: CompileCache, k: CompileKey | None, *graphs: str) -> CompileRun:
+    """One try of a job as the renderer runs it: start, the graphs (each compiled or loaded from
+    the local cache), finish."""
+    run = fleet.start(k)
+    for graph in graphs or ("1",):
         compile_or_load(fleet.directory, graph)
+    fleet.finish(run)
     return run
 
 
@@ -80,28 +84,24 @@ def test_a_fresh_worker_loads_what_another_compiled_and_says_fleet(
 def test_another_key_finds_nothing_and_compiles_cold(redis_conn: Redis, tmp_path: Path) -> None:
     job(cache(redis_conn, tmp_path / "a"), key())
     for other in (key(shape="192x128 x1 cfg=on txt2img plain"), key(device="cuda: H100")):
-        run = job(cache(redis_conn, tmp_path / other.digest), other, graph="2")
+        run = job(cache(redis_conn, tmp_path / other.digest), other, "2")
         assert (run.source, run.fetched) == ("cold", False)
     assert redis_conn.zcard(INDEX_KEY) == 3
 
 
 def test_a_job_that_compiles_nothing_has_no_source(redis_conn: Redis, tmp_path: Path) -> None:
     fleet = cache(redis_conn, tmp_path / "a")
-    with fleet.job(key()) as run:
-        pass
+    run = fleet.start(key())
+    fleet.finish(run)
     assert (run.source, run.seconds) == (None, 0.0)
-    with fleet.job(None) as eager:  # an uncompiled pipeline: never looked up, never shared
-        compile_or_load(fleet.directory)
+    eager = job(fleet, None)  # an uncompiled pipeline: never looked up, never shared
     assert eager.source is None and redis_conn.zcard(INDEX_KEY) == 0
 
 
 def test_a_later_graph_of_the_same_key_joins_its_bundle(redis_conn: Redis, tmp_path: Path) -> None:
     """A worker whose fleet bundle lacked a graph compiles it and shares the union."""
-    job(cache(redis_conn, tmp_path / "a"), key(), graph="1")
-    b = cache(redis_conn, tmp_path / "b")
-    with b.job(key()) as run:
-        compile_or_load(b.directory, "1")
-        compile_or_load(b.directory, "2")
+    job(cache(redis_conn, tmp_path / "a"), key(), "1")
+    run = job(cache(redis_conn, tmp_path / "b"), key(), "1", "2")
     assert run.source == "cold" and run.fetched
     meta = json.loads(redis_conn.hget(PREFIX + key().digest, "meta") or b"")
     assert set(meta["files"]) == {n for n in graph_files("1") + graph_files("2") if "lock" not in n}
@@ -161,7 +161,7 @@ def test_bundles_are_bounded_in_bytes_least_recently_used_out(
     shapes = ["s1", "s2", "s3"]
     fleet = cache(redis_conn, tmp_path / "a", limit=int(size * 2.5))
     for n, shape in enumerate(shapes):
-        job(fleet, key(shape=shape), graph=str(n + 3))
+        job(fleet, key(shape=shape), str(n + 3))
     kept = {k.decode() for k in redis_conn.zrange(INDEX_KEY, 0, -1)}
     assert kept == {key(shape="s2").digest, key(shape="s3").digest}
     assert not redis_conn.exists(PREFIX + key(shape="s1").digest)
@@ -235,3 +235,16 @@ def test_doctor_shows_the_shared_cache(
     text = kiln("doctor", env={**kiln_env, "KILN_COMPILE_CACHE_TTL_S": "86400"}).stdout
     assert f"fleet cache   1 compile bundle(s), {size / MB:.1f} MiB of 1024 MiB" in text
     assert "each kept 1 day(s) from its last use" in text
+
+
+def test_only_a_keys_first_job_in_a_process_is_looked_up_and_shared(
+    redis_conn: Redis, tmp_path: Path
+) -> None:
+    """Later jobs of a key cost no directory walk: a graph a guard makes them build is this
+    worker's alone (the key already covers size, batch, guidance, mode and adapters)."""
+    fleet = cache(redis_conn, tmp_path / "a")
+    assert job(fleet, key(), "1").source == "cold"
+    later = job(fleet, key(), "2")
+    assert later.source == "cold" and later.files_before == set()
+    meta = json.loads(redis_conn.hget(PREFIX + key().digest, "meta") or b"")
+    assert not any("2" in name.split("/")[-1] for name in meta["files"])

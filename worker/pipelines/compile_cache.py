@@ -32,8 +32,6 @@ import os
 import platform
 import tarfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
@@ -127,15 +125,6 @@ def compile_key(
 
 
 @dataclass
-class CompileRun:
-    """One job's compile accounting: seconds Dynamo spent, and where the code came from."""
-
-    fetched: bool = False  # a fleet bundle was unpacked for this job
-    seconds: float = 0.0
-    source: CompileSource | None = None  # None: the job compiled nothing
-
-
-@dataclass
 class _Counts:
     seconds: float
     misses: int
@@ -150,6 +139,20 @@ class _Counts:
         seconds = sum(compilation_time_metrics.get("_compile.compile_inner", []))
         inductor = counters["inductor"]
         return cls(seconds, inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
+
+
+@dataclass
+class CompileRun:
+    """One job's compile accounting: seconds Dynamo spent, and where the code came from; and
+    what CompileCache.finish needs to share what the job compiled."""
+
+    key: CompileKey | None
+    counts: _Counts
+    fetched: bool = False  # a fleet bundle was unpacked for this job
+    seconds: float = 0.0
+    source: CompileSource | None = None  # None: the job compiled nothing
+    files_before: set[str] = field(default_factory=set)
+    bundle: list[str] | None = None  # the files of the key's bundle, when it had one
 
 
 @dataclass
@@ -175,26 +178,28 @@ class CompileCache:
 
         return Path(cache_dir())
 
-    @contextmanager
-    def job(self, key: CompileKey | None) -> Iterator[CompileRun]:
-        """Around one try of a job on a compiled pipeline (key None: not compiled). The first
-        time this process meets a key, a fleet bundle fills in what the local cache lacks before
-        the try, and what the try compiled afresh is shared after it."""
-        run = CompileRun()
-        first = key is not None and key.digest not in self.seen
-        before = _files(self.directory) if first and self.sharing else set()
-        bundle = self._fetch(key, run) if first and self.sharing and key else None
-        counts = _Counts.now()
-        yield run
+    def start(self, key: CompileKey | None) -> CompileRun:
+        """Before one try of a job (key None: an uncompiled pipeline). The first time this
+        process meets a key, the files of its fleet bundle that the local cache lacks."""
+        first = key is not None and key.digest not in self.seen and self.sharing
+        run = CompileRun(key, _Counts.now())
+        if key is not None and first:
+            run.files_before = _files(self.directory)
+            run.bundle = self._fetch(key, run)
+            run.counts = _Counts.now()
+        return run
+
+    def finish(self, run: CompileRun) -> None:
+        """After the try: how long it compiled and from where; what it compiled afresh, shared."""
         after = _Counts.now()
-        run.seconds = round(after.seconds - counts.seconds, 3)
-        if key is None or run.seconds <= 0:
+        run.seconds = round(after.seconds - run.counts.seconds, 3)
+        if run.key is None or run.seconds <= 0:
             return
-        missed = after.misses > counts.misses
+        missed = after.misses > run.counts.misses
         run.source = "cold" if missed else "fleet" if run.fetched else "local"
-        self.seen.add(key.digest)
-        if missed and self.sharing:
-            self._share(key, _files(self.directory) - before, bundle)
+        if missed and self.sharing and run.key.digest not in self.seen:
+            self._share(run.key, _files(self.directory) - run.files_before, run.bundle)
+        self.seen.add(run.key.digest)
 
     def stats(self) -> dict[str, int]:
         """The shared cache as `kiln doctor` shows it: bundles alive and their bytes."""

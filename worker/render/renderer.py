@@ -35,7 +35,7 @@ from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
 from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
 from worker.pipelines.compile import graphs_compiled
-from worker.pipelines.compile_cache import CompileCache, compile_key
+from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
 from worker.pipelines.families import cfg_active
 from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
@@ -299,10 +299,9 @@ class Renderer:
             start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
             # A job that uses no adapter runs the denoiser without its LoRA slots.
             slots = loaded.adapters.bypassed() if loaded.adapters else nullcontext()
-            shape, device = (*size, request.num_images), self.info.torch_device
-            key = compile_key(loaded, device, shape, cfg=cfg, mode=mode, adapters=bool(loras))
+            compiling = self._compile_start(job, loaded, cfg, mode, loras)
             try:
-                with self.compile_cache.job(key if loaded.compiled else None) as compiling, slots:
+                with slots:
                     images, decoded = generate(
                         loaded,
                         request,
@@ -324,6 +323,8 @@ class Renderer:
                 )
                 continue
             built = graphs_compiled() - graphs_before
+            with watch.phase("denoise") if compiling.key else nullcontext():
+                self.compile_cache.finish(compiling)
             record.compile_s = round(record.compile_s + compiling.seconds, 3)
             record.compile_source = compiling.source or record.compile_source
             loaded.adapter_sets.add(loras)
@@ -337,6 +338,19 @@ class Renderer:
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
             return images, decoded
+
+    def _compile_start(
+        self, job: JobRun, loaded: LoadedPipeline, cfg: bool, mode: str, loras: frozenset[str]
+    ) -> CompileRun:
+        """A compiled pipeline's compile accounting for this try, with the fleet's code for its
+        key unpacked first (compile work, so charged to denoise, where the compile runs)."""
+        if not loaded.compiled:
+            return self.compile_cache.start(None)
+        shape = (job.request.width or 0, job.request.height or 0, job.request.num_images)
+        device = self.info.torch_device
+        key = compile_key(loaded, device, shape, cfg=cfg, mode=mode, adapters=bool(loras))
+        with job.watch.phase("denoise"):
+            return self.compile_cache.start(key)
 
     # -- 9. save ---------------------------------------------------------------------------------
 
