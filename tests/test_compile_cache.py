@@ -20,6 +20,7 @@ from tests.conftest import kiln
 from tests.fixtures.fake_compile import compile_or_load, graph_files
 from tests.helpers import client_for, records
 from tests.workers import wait_until
+from worker.ops.doctor import fleet_line
 from worker.pipelines.compile_cache import (
     INDEX_KEY,
     PREFIX,
@@ -226,15 +227,20 @@ def test_two_workers_with_empty_caches_compile_once_per_fleet(
 
 
 def test_doctor_shows_the_shared_cache(
-    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
+    redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path, settings: Any
 ) -> None:
     job(cache(redis_conn, tmp_path / "a"), key())
     size = int(redis_conn.hget(SIZES_KEY, key().digest) or 0)
-    done = kiln("doctor", "--json", env={**kiln_env, "KILN_COMPILE_CACHE_MB": "64"})
-    assert json.loads(done.stdout)["fleet_compile"] == {"entries": 1, "bytes": size}
-    text = kiln("doctor", env={**kiln_env, "KILN_COMPILE_CACHE_TTL_S": "86400"}).stdout
-    assert f"fleet cache   1 compile bundle(s), {size / MB:.1f} MiB of 1024 MiB" in text
-    assert "each kept 1 day(s) from its last use" in text
+    done = kiln("doctor", "--json", env=kiln_env)
+    stats = json.loads(done.stdout)["fleet_compile"]
+    assert stats == {"entries": 1, "bytes": size}
+    text = fleet_line(stats, settings.model_copy(update={"compile_cache_ttl_s": 86400}))
+    assert text == (
+        f"1 compile bundle(s), {size / MB:.1f} MiB of 1024 MiB (KILN_COMPILE_CACHE_MB),"
+        " each kept 1 day(s) from its last use"
+    )
+    off = fleet_line(stats, settings.model_copy(update={"compile_cache_mb": 0}))
+    assert off == "off (KILN_COMPILE_CACHE_MB=0); 1 bundle(s) left in Redis"
 
 
 def test_only_a_keys_first_job_in_a_process_is_looked_up_and_shared(

@@ -216,7 +216,7 @@ def format_report(report: DoctorReport, settings: Settings) -> str:
         f"  redis         {report.redis}",
         *(f"  durability    {line}" for line in report.durability),
         *(
-            [f"  fleet cache   {_fleet_line(report.fleet_compile, settings)}"]
+            [f"  fleet cache   {fleet_line(report.fleet_compile, settings)}"]
             if report.redis_ok
             else []
         ),
@@ -327,7 +327,7 @@ def _fleet_compile(settings: Settings) -> dict[str, int]:
     return CompileCache(connect(settings.redis_url), 0, 0).stats()
 
 
-def _fleet_line(stats: dict[str, int], settings: Settings) -> str:
+def fleet_line(stats: dict[str, int], settings: Settings) -> str:
     """The shared compile cache (worker/pipelines/compile_cache.py) against its bounds."""
     if settings.compile_cache_mb == 0:
         return f"off (KILN_COMPILE_CACHE_MB=0); {stats['entries']} bundle(s) left in Redis"
