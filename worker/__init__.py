@@ -2,7 +2,7 @@
 
 - the root: entry points (cli, commands: the client verbs, serve: the composition root that
   builds a worker) and the ground every stage stands on (settings: the only reader of KILN_*
-  variables, errors, logs, quiet, manifest, profiles);
+  variables, errors, logs, quiet, manifest, profiles, startup: a worker start's phases);
 - ops/: operators' verbs, never on a job's path (doctor, plan, bench, profile, report, top);
 - queue/: the worker process on RQ (claim, lease, sweep, events, quarantine, webhooks, metrics);
 - render/: one job from request to record (inputs, placement, generation, timings);
