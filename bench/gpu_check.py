@@ -771,6 +771,8 @@ def _job(
         "peak_mb": round((record.peak_memory_bytes or 0) / MB, 1),
         "compiled": result.compiled,
         "recompiles": record.recompiles,
+        "compile_s": record.compile_s,
+        "compile_source": record.compile_source,
     }
 
 
@@ -987,6 +989,9 @@ def _compiled(run: Run, case: Case, variant: Manifest, second: tuple[int, int]) 
         "load_s": cold["timings"]["load"],
         "cold_job_s": cold["timings"]["total"],
         "cold_denoise_s": cold["timings"]["denoise"],
+        # seconds in torch.compile, and cold or local (this process's Inductor cache directory)
+        "cold_compile_s": cold["compile_s"],
+        "cold_compile_source": cold["compile_source"],
         "warm_denoise_s": warm["timings"]["denoise"],
         "second_size": resized["size"],
         "second_cold_denoise_s": resized["timings"]["denoise"],
