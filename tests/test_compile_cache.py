@@ -254,3 +254,23 @@ def test_only_a_keys_first_job_in_a_process_is_looked_up_and_shared(
     assert later.source == "cold" and later.files_before == set()
     meta = json.loads(redis_conn.hget(PREFIX + key().digest, "meta") or b"")
     assert not any("2" in name.split("/")[-1] for name in meta["files"])
+
+
+@pytest.mark.parametrize("header", [b"{not json", b"[1, 2]", b'{"files": "zv/czv1.so"}'])
+def test_a_header_that_is_not_kilns_costs_a_compile_not_the_job(
+    redis_conn: Redis, tmp_path: Path, header: bytes
+) -> None:
+    redis_conn.hset(PREFIX + key().digest, mapping={"meta": header, "tar": b"x"})
+    run = job(cache(redis_conn, tmp_path / "a"), key())
+    assert (run.source, run.fetched) == ("cold", False)
+
+
+def test_a_redis_that_refuses_the_bundle_costs_a_compile_not_the_job(
+    redis_conn: Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index retyped under the worker (a hostile or mistaken write): the share fails with
+    WRONGTYPE, is logged, and the job's accounting stands."""
+    redis_conn.set(INDEX_KEY, "not a sorted set")
+    run = job(cache(redis_conn, tmp_path / "a"), key())
+    assert run.source == "cold"
+    assert "compile bundle of tiny-sd15" in caplog.text and "WRONGTYPE" in caplog.text

@@ -185,7 +185,10 @@ class CompileCache:
         run = CompileRun(key, _Counts.now())
         if key is not None and first:
             run.files_before = _files(self.directory)
-            run.bundle = self._fetch(key, run)
+            try:
+                run.bundle = self._fetch(key, run)
+            except Exception as exc:  # the cache saves time; it never fails a job
+                log.warning("compile bundle for %s not read: %s: %s", key.model, _kind(exc), exc)
             run.counts = _Counts.now()
         return run
 
@@ -198,7 +201,12 @@ class CompileCache:
         missed = after.misses > run.counts.misses
         run.source = "cold" if missed else "fleet" if run.fetched else "local"
         if missed and self.sharing and run.key.digest not in self.seen:
-            self._share(run.key, _files(self.directory) - run.files_before, run.bundle)
+            try:
+                self._share(run.key, _files(self.directory) - run.files_before, run.bundle)
+            except Exception as exc:  # as in start: a bundle not shared costs a later compile
+                log.warning(
+                    "compile bundle of %s not shared: %s: %s", run.key.model, _kind(exc), exc
+                )
         self.seen.add(run.key.digest)
 
     def stats(self) -> dict[str, int]:
@@ -220,6 +228,9 @@ class CompileCache:
         if header is None:
             return None
         meta = json.loads(header)
+        if not isinstance(meta, dict) or not isinstance(meta.get("files"), list):
+            log.warning("compile bundle %s: its header is not kiln's; not unpacked", name)
+            return None
         if meta.get("format") != FORMAT or meta.get("key") != asdict(key):
             log.warning("compile bundle %s: its header names another key; not unpacked", name)
             return None
@@ -292,6 +303,10 @@ class CompileCache:
                 pipe.zrem(INDEX_KEY, digest)
                 pipe.hdel(SIZES_KEY, digest)
                 pipe.execute()
+
+
+def _kind(exc: Exception) -> str:
+    return type(exc).__name__
 
 
 def _text(value: object) -> str:
