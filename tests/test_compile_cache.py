@@ -274,3 +274,24 @@ def test_a_redis_that_refuses_the_bundle_costs_a_compile_not_the_job(
     run = job(cache(redis_conn, tmp_path / "a"), key())
     assert run.source == "cold"
     assert "compile bundle of tiny-sd15" in caplog.text and "WRONGTYPE" in caplog.text
+
+
+def test_compile_seconds_are_counted_by_source_for_prometheus() -> None:
+    from prometheus_client import REGISTRY
+
+    from worker.queue.metrics import observe
+    from worker.render.timings import TimingRecord
+
+    labels = {"model": "tiny-compile-metric", "source": "fleet"}
+
+    def value() -> float:
+        return REGISTRY.get_sample_value("kiln_compile_seconds_total", labels) or 0.0
+
+    before = value()
+    observe(
+        TimingRecord(
+            job_id="j1", model=labels["model"], status="done", compile_s=2.5, compile_source="fleet"
+        )
+    )
+    observe(TimingRecord(job_id="j2", model=labels["model"], status="done"))  # compiled nothing
+    assert value() - before == 2.5

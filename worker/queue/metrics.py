@@ -1,7 +1,8 @@
 """Prometheus metrics for `kiln worker --metrics-port`: jobs by model and status, phase seconds,
-out-of-memory attempts and rung descents, jobs answered from the store, recompiles by cause, loads
-by source, the rung each resident model is on, device memory in use, and (read from Redis at
-scrape time only) the depth of each served model's queue and the ETA of its next default job.
+out-of-memory attempts and rung descents, jobs answered from the store, recompiles by cause,
+compile seconds by source, loads by source, the rung each resident model is on, device memory in
+use, and (read from Redis at scrape time only) the depth of each served model's queue and the ETA
+of its next default job.
 
 Labels are bounded sets (model ids, rungs, phases, statuses, the CAUSES below): never a job id, a
 prompt or a raw message. docker/grafana/dashboards/kiln.json reads these names
@@ -50,6 +51,12 @@ RECOMPILES = Counter(
     "kiln_recompiles_total",
     "Graphs torch.compile rebuilt for a warm pipeline, by model and what was new (see CAUSES)",
     ["model", "cause"],
+)
+COMPILE_SECONDS = Counter(
+    "kiln_compile_seconds_total",
+    "Seconds jobs spent in torch.compile, by where the code came from: compiled in this worker"
+    " (cold), its Inductor cache (local), or a bundle another worker shared (fleet)",
+    ["model", "source"],
 )
 LOADS = Counter(
     "kiln_loads_total",
@@ -141,6 +148,8 @@ def zero_series(model: str) -> None:
         LOADS.labels(model=model, source=source)
     for cause in (*(label for _, label in CAUSES), "other"):
         RECOMPILES.labels(model=model, cause=cause)
+    for source in get_args(get_args(TimingRecord.model_fields["compile_source"].annotation)[0]):
+        COMPILE_SECONDS.labels(model=model, source=source)
     ANSWERED_FROM_STORE.labels(model=model)
 
 
@@ -157,6 +166,8 @@ def observe(record: TimingRecord) -> None:
             OOMS.labels(model=model, rung=attempt.rung, phase=attempt.phase or "-").inc()
     for cause in record.recompile_causes:
         RECOMPILES.labels(model=model, cause=cause_category(cause)).inc(graphs_in(cause))
+    if record.compile_source is not None:
+        COMPILE_SECONDS.labels(model=model, source=record.compile_source).inc(record.compile_s)
     if record.rung is not None and record.answered_from == "render":  # a pipeline was placed
         LOADS.labels(model=model, source=record.load_source).inc()
     if record.status != "done":

@@ -135,8 +135,8 @@ class TimingRecord(BaseModel):
     # One entry per job of this pipeline that rebuilt graphs: what was new ("new size 192x128").
     recompile_causes: list[str] = Field(default_factory=list)
     # Seconds this job spent in torch.compile, and where its code came from: compiled here
-    # (cold), this worker's Inductor cache (local), or a bundle another worker shared (fleet).
-    # None: it compiled nothing (eager, or graphs this process already held).
+    # (cold), this worker's Inductor cache (local), or a bundle another worker shared (fleet);
+    # source None: it compiled nothing (eager, or graphs this process already held).
     compile_s: float = 0.0
     compile_source: Literal["cold", "local", "fleet"] | None = None
     previews: int = 0  # TAESD previews drawn while denoising
