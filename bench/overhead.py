@@ -8,7 +8,8 @@
   naive   a fresh process per job that imports, loads and renders (what kiln exists to avoid)
   forking RQ's default forking Worker running the same render (reloads in every child)
 
-bare, engine and queue take turns in blocks of five jobs, so drift hits all three alike.
+bare, engine and queue take turns in blocks of --block jobs (5; 1 alternates every job, the
+finest comparison), so drift hits all three alike.
 The last line is machine-readable:
   queue_vs_bare=<x> engine_vs_bare=<x> naive_vs_queue=<x> redis_cmds_per_job=<n>
   redis_cmds_per_s_rendering=<n>
@@ -17,7 +18,8 @@ the client and the worker sent, the worker's heartbeat thread included). The las
 from one job of --long-s seconds (40 steps paced by tests/fixtures/paced_worker.py, the client
 waiting on its events): its commands beyond the short jobs' fixed cost, per second rendered.
 
-    python bench/overhead.py [--steps 8] [--jobs 20] [--naive-jobs 3] [--long-s 20] [--json F]
+    python bench/overhead.py [--steps 8] [--jobs 20] [--block 5] [--naive-jobs 3] [--long-s 20]
+                             [--json F]
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--jobs", type=int, default=20, help="measured jobs per fast mode")
+    parser.add_argument("--block", type=int, default=BLOCK, help="jobs per mode per turn")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--naive-jobs", type=int, default=3, help="jobs for naive and forking")
     parser.add_argument("--json", type=Path, help="write the measurements here too")
@@ -166,12 +169,12 @@ def measure_fast(
     for seed in range(args.warmup):
         for fn in modes.values():
             fn(seed)
-    # Modes take turns in blocks of BLOCK jobs: drift on a shared machine hits all alike, and a
+    # Modes take turns in blocks of --block jobs: drift on a shared machine hits all alike, and a
     # mode is not measured in the few ms after another process's torch threads stopped spinning.
     times: dict[str, Any] = {name: [] for name in modes}
-    for first in range(0, args.jobs, BLOCK):
+    for first in range(0, args.jobs, args.block):
         for name, fn in modes.items():
-            for seed in range(first, min(first + BLOCK, args.jobs)):
+            for seed in range(first, min(first + args.block, args.jobs)):
                 start = time.perf_counter()
                 fn(seed)
                 times[name].append(time.perf_counter() - start)

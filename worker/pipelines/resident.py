@@ -82,6 +82,14 @@ class LoadedPipeline:
         device: torch.device = self.pipe._execution_device
         return device
 
+    @functools.cached_property
+    def weights_bytes(self) -> tuple[int, int]:
+        """(all components', the largest one's) parameter and buffer bytes: what the planner
+        measures a job's peak against. Read once: walking every tensor took 7.3 ms of each
+        tiny-sd15 job (cProfile, bench/RESULTS.md), and a pipeline's weights keep their size for
+        its life in the cache (quantized and given its adapter slots before its first job)."""
+        return component_bytes(self.pipe)
+
     def novelty(
         self,
         width: int,

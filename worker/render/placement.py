@@ -27,7 +27,7 @@ from worker.memory.ladder import (
     rung_need_gb,
     usable_gb,
 )
-from worker.memory.peaks import Peak, PeakBook, Shape, card_kind, component_bytes, lowest_need_gb
+from worker.memory.peaks import Peak, PeakBook, Shape, card_kind, lowest_need_gb
 from worker.pipelines.loading import choose_dtype, fit_for
 from worker.pipelines.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
 from worker.pipelines.switches import compile_plan
@@ -197,7 +197,7 @@ class Planner:
         what was allocated when it started), into the book."""
         if peak_bytes is None:
             return
-        weights, largest = component_bytes(loaded.pipe)
+        weights, largest = loaded.weights_bytes
         fit = fit_for(loaded.manifest, self.info, self.settings)
         measured = Peak(
             resident_bytes=loaded.device_bytes,
