@@ -97,6 +97,13 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
         again = saved.wait(timeout=60)
         assert image.stat().st_mtime_ns == first_write
         assert again.images[0].sha256 == KilnJob(saved.id, redis_conn).result().images[0].sha256  # type: ignore[union-attr]
+        # A record is published after its job's end is committed, so a client's wait() can
+        # return before the record is in the log: wait for both jobs' records, then count.
+        wait_until(
+            lambda: {saved.id, long.id} <= {r.job_id for r in records(settings.timings_log)},
+            30,
+            "both jobs' timing records",
+        )
         by_job = [r for r in records(settings.timings_log) if r.job_id == saved.id]
         # Its worker died before committing the job's end, so it published no record: the one
         # record is the answering worker's, with the render's phases and who rendered it.
