@@ -102,6 +102,7 @@ def test_timings_verb_reads_the_log_writes_csv_and_chart(
 ) -> None:
     log = tmp_path / "t.jsonl"
     records = [_record("tiny-sd15", 0.2 + i / 100, cold=i == 0) for i in range(6)]
+    records[0] = records[0].model_copy(update={"compile_s": 2.5, "compile_source": "fleet"})
     log.write_text("".join(r.model_dump_json() + "\n" for r in records) + "{not json\n")
     done = kiln(
         "timings",
@@ -119,6 +120,8 @@ def test_timings_verb_reads_the_log_writes_csv_and_chart(
     with open(tmp_path / "t.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 6 and rows[0]["model"] == "tiny-sd15"
+    compile_columns = [(r["compile_s"], r["compile_source"]) for r in rows]
+    assert compile_columns == [("2.5", "fleet")] + [("0.0", "")] * 5
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert kiln("timings", str(tmp_path / "missing.jsonl"), env=kiln_env).returncode == 1
 

@@ -108,6 +108,8 @@ def write_csv(records: list[TimingRecord], path: Path) -> None:
         "rung",
         "dtype",
         "compiled",
+        "compile_s",
+        "compile_source",
         "per_step_s",
         "peak_memory_bytes",
         "finished_at",
