@@ -75,3 +75,19 @@ def test_a_cancel_during_a_phase_is_taken_at_the_next_boundary(
     # A stopped job leaves no files behind, whatever phase it stopped after.
     job_dir = settings.output_dir / job.id
     assert not job_dir.exists() or not [p for p in job_dir.iterdir() if p.is_file()]
+
+
+def test_a_worker_stops_listening_at_once_when_the_unsubscribe_answer_comes_first(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """rq unsubscribes, then stops the listener thread, which redis-py 8 joins. Here the thread
+    has read the unsubscribe's answer and gone back to reading before the stop, the race that
+    held burst workers in CI for rq's 60 s read: the stop now waits one short read at most."""
+    worker = make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    worker.subscribe()
+    worker.pubsub.unsubscribe()
+    wait_until(lambda: not worker.pubsub.subscribed, 5, "the thread to read the answer")
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert time.monotonic() - started < 5
+    assert not worker.pubsub_thread.is_alive()

@@ -120,6 +120,12 @@ HOOKS = [
         f"{OVERRIDE} {W}: a failed or stopped job's webhook delivery joins its end's commit",
     ),
     Hook("SimpleWorker.get_current_job_id", "(self, pipeline=None)", f"{OVERRIDE} {W}"),
+    Hook("SimpleWorker.subscribe", "(self)", f"{OVERRIDE} {W}: a 0.5 s read, not 60 s"),
+    Hook(
+        "SimpleWorker._pubsub_exception_handler",
+        "(self, exc, pubsub, pubsub_thread)",
+        f"{CALL} {W} subscribe",
+    ),
     Hook("SimpleWorker.handle_payload", "(self, message)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.kill_horse", "(self, sig=<Signals.SIGKILL: 9>)", f"{OVERRIDE} {W}"),
     Hook("SimpleWorker.request_stop", "(self, signum, frame)", f"{OVERRIDE} {W}"),

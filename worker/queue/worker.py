@@ -84,6 +84,7 @@ from worker.queue.webhooks import Dispatcher, queue_failure_delivery
 from worker.render.renderer import Renderer
 
 log = logging.getLogger(__name__)
+LISTEN_S = 0.5  # the pub/sub listener's read timeout: how long its stop may wait (subscribe)
 
 
 class TimeoutPenalty(UnixSignalDeathPenalty):
@@ -472,6 +473,18 @@ class KilnWorker(SimpleWorker):
     def get_current_job_id(self, pipeline: Any = None) -> str | None:
         # RQ reads this from its worker hash, which kiln does not write per job.
         return self.lease.running_id()
+
+    def subscribe(self) -> None:
+        """RQ's listener on this worker's channel, reading with a LISTEN_S timeout in place of
+        rq's 60 s. rq unsubscribes and then stops the thread, and redis-py 8's stop() joins it:
+        a thread that reads the unsubscribe's answer in between waits out a whole read before
+        it sees the stop (burst workers in CI returned 60 s late). LISTEN_S bounds that wait."""
+        log.info("%s: listening on %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=LISTEN_S, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
 
     def handle_payload(self, message: Any) -> None:
         """A message on this worker's RQ pub/sub channel. Clients may publish there to cancel,
