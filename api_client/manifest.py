@@ -48,6 +48,7 @@ SwitchName = Literal[
     "vae_tiling",
     "attention_slicing",
     "taesd_preview",
+    "step_cache",
 ]
 # float8: torchao float8 weights, only where the card has fp8 math (sm89+, MI300); the others are
 # integer weight schemes that run wherever torchao's kernels do.
@@ -134,6 +135,46 @@ class GuidanceRange(_Strict):
         return self
 
 
+# Families whose transformer diffusers' First Block Cache runs on (CacheMixin, registered blocks):
+# FLUX.1 and Qwen-Image in diffusers 0.42. The others' reason, as a job's settings report it.
+STEP_CACHE_FAMILIES = ("flux", "qwenimage")
+NO_STEP_CACHE: dict[str, str] = {
+    # Measured on tiny-flux2: the cache's tail block (a single-stream one) returns one tensor where
+    # its head (a double-stream one) returned two, and the residual subtraction raises TypeError.
+    "flux2": "FLUX.2's First Block Cache fails in diffusers 0.42 (its single-stream tail block"
+    " returns one tensor, its head two: TypeError)",
+    **{f: f"{f}'s UNet has no step cache in diffusers" for f in ("sd15", "sd2", "sdxl")},
+    "sd3": "SD3's transformer has no step cache hooks in diffusers",
+    "zimage": "Z-Image's transformer has no cache mixin in diffusers (cache-dit covers it; kiln"
+    " does not ship cache-dit)",
+}
+# Steps at and above which auto uses a model's step cache when its manifest names no min_steps:
+# the first step always computes and reuse needs steps that change little, which 20+ step
+# schedules have and few-step (distilled) ones do not (Qwen-Image-Lightning 1.04-1.33x, FLUX.2
+# klein's PSNR 20-32: issue 29's sources).
+DEFAULT_MIN_STEPS = 20
+
+
+class StepCacheSpec(_Strict):
+    """How a model reuses its denoiser's work between steps. first_block: diffusers' First Block
+    Cache, which runs the first transformer block every step and skips the rest while that
+    block's residual changed by less than `threshold` (relative mean) since the last full step:
+    higher reuses more. The only kind kiln runs today; TaylorSeer and MagCache are refused."""
+
+    kind: Literal["first_block"]
+    threshold: float = Field(gt=0, le=1)
+    min_steps: int | None = Field(default=None, ge=1, le=1000)
+    source: str | None = None  # where the threshold comes from (a paper, a model card)
+
+    @property
+    def auto_min_steps(self) -> int:
+        return DEFAULT_MIN_STEPS if self.min_steps is None else self.min_steps
+
+    @property
+    def params(self) -> dict[str, float]:
+        return {"threshold": self.threshold}
+
+
 class Manifest(_Strict):
     """One model: where its weights live, what a request may ask of it, how to fit it on a card."""
 
@@ -175,6 +216,8 @@ class Manifest(_Strict):
     vae: str | None = Field(default=None, min_length=1)
     # Adapters a request may name, hot-swapped on the resident denoiser (worker.pipelines.adapters).
     loras: dict[str, LoraSpec] = Field(default_factory=dict)
+    # Reuse of denoiser work between steps where the family has it (worker.pipelines.step_cache).
+    step_cache: StepCacheSpec | None = None
 
     @field_validator("loras")
     @classmethod
@@ -266,6 +309,26 @@ class Manifest(_Strict):
                 f" an edit model, whose pipeline serves {', '.join(edit)} only"
             )
         return modes
+
+    @field_validator("step_cache")
+    @classmethod
+    def _step_cache_runs_here(
+        cls, spec: StepCacheSpec | None, info: ValidationInfo
+    ) -> StepCacheSpec | None:
+        family = info.data.get("family") or ""
+        if spec is None:
+            return spec
+        if family not in STEP_CACHE_FAMILIES:
+            raise ValueError(
+                f"{NO_STEP_CACHE.get(family, family)}; step caches run on "
+                f"{', '.join(STEP_CACHE_FAMILIES)}"
+            )
+        if info.data.get("compile_method") == "whole":
+            raise ValueError(
+                "compile_method whole puts the cache's per-step decision inside the one graph;"
+                " a step cache needs regional (or auto) compile"
+            )
+        return spec
 
     @field_validator("rung_vram_gb")
     @classmethod

@@ -66,6 +66,9 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
         )
     problems += _pin_problems(request, manifest)
+    if request.step_cache and manifest.step_cache is None:
+        why = f"model {manifest.id}'s manifest declares no step_cache"
+        problems.append(Problem("step_cache", True, why))
     loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)

@@ -88,6 +88,9 @@ class RenderRequest(BaseModel):
     # why (never a silent descent or fallback).
     rung: Rung | None = None
     compile: bool | None = None
+    # Reuse of denoiser work between steps (the manifest's step_cache): true asks for it (a fast
+    # draft), false for every step computed (an exact final); None: the worker's auto decision.
+    step_cache: bool | None = None
     # The lane its model's jobs wait in: interactive (someone is waiting; the default, None on
     # the wire) ahead of batch, which is never starved (README: queues and lanes).
     priority: Priority | None = None
@@ -159,6 +162,7 @@ LATER_FIELDS = (
     "strength",
     "loras",
     "priority",
+    "step_cache",
 )
 
 
@@ -220,6 +224,17 @@ class SettingsReport(BaseModel):
         return [note.name for note in getattr(self, kind)]
 
 
+class StepCacheReport(BaseModel):
+    """A job's step cache: its kind and parameters, and of the denoiser's steps (its conditional
+    passes: under true CFG the negative pass decides on its own) how many ran every block and
+    how many reused the cached residual after the first block."""
+
+    kind: str
+    params: dict[str, float]
+    steps_computed: int = 0
+    steps_reused: int = 0
+
+
 class Timings(BaseModel):
     """Seconds per phase; load is 0 when the pipeline was resident."""
 
@@ -255,6 +270,7 @@ class RenderResult(BaseModel):
     worker: str
     started_at: datetime
     finished_at: datetime
+    step_cache: StepCacheReport | None = None  # when the job ran with a step cache
     # sha256 of the resolved request this answers: a job id reused for another request is never
     # answered with these images (see request_digest).
     request_sha256: str | None = None

@@ -187,6 +187,9 @@ class Settings(BaseSettings):
     vae_tiling: Switch = "auto"
     attention_slicing: Switch = "auto"
     taesd_preview: Switch = "auto"
+    # Reuse of denoiser work between steps where the manifest declares a step_cache: auto at or
+    # above its min_steps, on at any steps, off never (worker.pipelines.step_cache).
+    step_cache: Switch = "auto"
 
     @field_validator("redis_url")
     @classmethod

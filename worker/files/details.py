@@ -25,7 +25,15 @@ from PIL.PngImagePlugin import PngInfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_client.errors import short
-from api_client.schema import MAX_LORAS, LoraChoice, Mode, OutputFormat, RenderRequest, Rung
+from api_client.schema import (
+    MAX_LORAS,
+    LoraChoice,
+    Mode,
+    OutputFormat,
+    RenderRequest,
+    Rung,
+    StepCacheReport,
+)
 from worker.errors import CannotReplay
 
 if TYPE_CHECKING:
@@ -89,6 +97,9 @@ class ImageDetails(BaseModel):
     inputs: list[InputDigest]
     mode: Mode = "txt2img"
     strength: float | None = None
+    # The step cache that reused steps for it ("first_block threshold=0.08"); None: every step
+    # was computed. A replay pins it either way.
+    step_cache: str | None = None
 
     def replay_request(self) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
@@ -122,6 +133,7 @@ class ImageDetails(BaseModel):
             output_format=self.format,
             rung=self.rung,
             compile=self.compiled,
+            step_cache=self.step_cache is not None,
         )
 
 
@@ -131,8 +143,13 @@ def image_details(
     index: int,
     inputs: list[InputDigest],
     device: str,
+    step_cache: StepCacheReport | None = None,
 ) -> ImageDetails:
     """What image `index` of a job carries inside its file: enough to render it again."""
+    cached = None
+    if step_cache is not None:
+        params = " ".join(f"{name}={value:g}" for name, value in step_cache.params.items())
+        cached = f"{step_cache.kind} {params}".strip()
     return ImageDetails(
         kiln=kiln_version(),
         model=request.model,
@@ -158,6 +175,7 @@ def image_details(
         inputs=inputs,
         mode=request.mode or "txt2img",
         strength=request.strength,
+        step_cache=cached,
     )
 
 
@@ -205,6 +223,8 @@ def parameters_text(details: ImageDetails) -> str:
     ]
     if details.true_cfg is not None:
         fields.append(("True CFG scale", details.true_cfg))
+    if details.step_cache is not None:
+        fields.append(("Step cache", details.step_cache))
     fields.append(("Version", f"kiln {details.kiln}"))
     # A1111 names each LoRA in the prompt as <lora:name:weight>; readers of its layout (Civitai,
     # image browsers) find the adapters there.

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from api_client.schema import ImageFile, OutputFormat, RenderRequest, RenderResult
+from api_client.schema import (
+    ImageFile,
+    OutputFormat,
+    RenderRequest,
+    RenderResult,
+    StepCacheReport,
+)
 from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreUnavailable
 from worker.files.details import ImageDetails, InputDigest, image_details, save_options
 
@@ -76,9 +82,12 @@ def encode_images(
     loaded: LoadedPipeline,
     inputs: list[InputDigest],
     device: str,
+    step_cache: StepCacheReport | None = None,
 ) -> list[EncodedImage]:
     """A job's image files, each with the details that rendered it inside (image_details)."""
-    details = [image_details(request, loaded, i, inputs, device) for i in range(len(images))]
+    details = [
+        image_details(request, loaded, i, inputs, device, step_cache) for i in range(len(images))
+    ]
     return [
         encode_image(image, request.output_format, about)
         for image, about in zip(images, details, strict=True)

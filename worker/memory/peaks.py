@@ -69,11 +69,14 @@ class Shape:
     dtype: str
     quantized: tuple[tuple[str, str], ...]
     mode: str
+    # A step cache keeps a residual per context (a latent's size each) beside the activations.
+    step_cache: bool = False
 
     @property
     def field(self) -> str:
         quant = ",".join(f"{c}={s}" for c, s in self.quantized) or "none"
-        return f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"
+        cached = "|step_cache" if self.step_cache else ""  # absent: the fields written before
+        return f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}{cached}"
 
 
 @dataclass

@@ -36,17 +36,30 @@ def compile_available() -> str | None:
     return None
 
 
-def compile_denoiser(denoiser: torch.nn.Module, settings: Settings, method: str = "auto") -> str:
+def compile_denoiser(
+    denoiser: torch.nn.Module, settings: Settings, method: str = "auto", step_cache: bool = False
+) -> str:
     """Wrap the denoiser for torch.compile (lazy: graphs are built at the first forward).
 
     regional (auto's choice where the denoiser declares repeated blocks) compiles one graph
     per block class, reused by every instance: on the tiny UNet, three sizes' compile took 29 s
-    against 157 s whole (bench/RESULTS.md). whole compiles the denoiser as one graph."""
+    against 157 s whole (bench/RESULTS.md). whole compiles the denoiser as one graph. A model
+    with a step cache has each block's own forward compiled instead of its whole call, so the
+    cache's hooks wrap compiled code from outside (worker.pipelines.step_cache)."""
     use_persistent_cache(settings)
     blocks = getattr(denoiser, "_repeated_blocks", None)
     name = type(denoiser).__name__
     if method == "regional" and not blocks:
         raise ValueError(f"compile_method regional, but {name} declares no repeated blocks")
+    if blocks and method != "whole" and step_cache:
+        for module in denoiser.modules():
+            if type(module).__name__ in blocks:
+                module.forward = torch.compile(module.forward, fullgraph=True, dynamic=DYNAMIC)
+                module._kiln_compiled_forward = True
+        return (
+            f"regional forwards: torch.compile of each repeated {', '.join(blocks)} block's"
+            " forward, the step cache's hooks outside them"
+        )
     if blocks and method != "whole":
         denoiser.compile_repeated_blocks(fullgraph=True, dynamic=DYNAMIC)  # type: ignore[operator]
         return f"regional: torch.compile of {name}'s repeated {', '.join(blocks)} blocks"
@@ -56,10 +69,13 @@ def compile_denoiser(denoiser: torch.nn.Module, settings: Settings, method: str 
 
 
 def uncompile_denoiser(denoiser: torch.nn.Module) -> None:
-    """Back to eager: nn.Module.compile() only sets _compiled_call_impl; clearing it undoes it."""
+    """Back to eager: nn.Module.compile() only sets _compiled_call_impl; clearing it undoes it,
+    and a compiled forward set on a block (step cache models) goes back to the class's."""
     for module in denoiser.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
+        if module.__dict__.pop("_kiln_compiled_forward", False):
+            del module.forward  # the class's forward again
 
 
 def graphs_compiled() -> int:

@@ -61,7 +61,7 @@ class CompileKey:
     model: str  # manifest id and its weights (source, revision, variant)
     dtype: str
     rung: str
-    method: str  # regional | whole, and Dynamo's dynamic= setting
+    method: str  # regional, regional forwards or whole, and Dynamo's dynamic= setting
     shape: str  # width x height, batch, guidance on/off, mode, adapters or none
 
     @property
@@ -116,7 +116,7 @@ def compile_key(
         model=f"{m.id} {m.source}@{m.revision or '-'} variant={m.variant or '-'} q={quantized}",
         dtype=loaded.dtype_name,
         rung=loaded.rung,
-        method=f"{note.split(':')[0].split()[0] if note else '?'} dynamic={kiln_compile.DYNAMIC}",
+        method=f"{note.split(':')[0] if note else '?'} dynamic={kiln_compile.DYNAMIC}",
         shape=(
             f"{width}x{height} x{count} cfg={'on' if cfg else 'off'} {mode}"
             f" {'adapters' if adapters else 'plain'}"

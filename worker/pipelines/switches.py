@@ -264,7 +264,12 @@ def apply_compile(loaded: LoadedPipeline, info: DeviceInfo, settings: Settings) 
     try:
         if unavailable is not None:
             raise RuntimeError(unavailable)
-        how = compile_denoiser(loaded.denoiser, settings, manifest.compile_method)
+        how = compile_denoiser(
+            loaded.denoiser,
+            settings,
+            manifest.compile_method,
+            step_cache=manifest.step_cache is not None,
+        )
     except Exception as exc:
         if plan.must:
             raise _compile_failed(loaded, f"failed: {exc}") from exc

@@ -25,6 +25,7 @@ from worker.memory.faults import FaultPlan, crash_point
 from worker.pipelines.adapters import AdapterRefused
 from worker.pipelines.families import Prompt, cfg_active, decode_preview
 from worker.pipelines.resident import LoadedPipeline
+from worker.pipelines.step_cache import StepCache, StepCacheDecision
 from worker.pipelines.switches import preview_steps
 from worker.pipelines.vae import tiled
 from worker.render.context import JobContext
@@ -59,9 +60,11 @@ def generate(
     store: Store,
     sources: dict[str, Image.Image] | None = None,
     decode: DecodeRules = decode_once,
+    step_cache: StepCacheDecision | None = None,
 ) -> tuple[list[Image.Image], LoadedPipeline]:
     """sources: img2img's, inpaint's and edit's inputs as the pipeline takes them (image,
-    mask_image). Returns the images and the pipeline that decoded them (decode's)."""
+    mask_image); step_cache: the job's (worker.pipelines.step_cache), None for none. Returns the
+    images and the pipeline that decoded them (decode's)."""
     mode, rung = request.mode or "txt2img", loaded.rung
     pipe = loaded.pipe_for(mode)
     family = loaded.spec
@@ -97,8 +100,13 @@ def generate(
     wanted = request.previews and loaded.preview_vae is not None
     previews = preview_steps(steps) if wanted else set()
 
+    spec = step_cache.spec if step_cache is not None else None
+    cache = StepCache(loaded.denoiser, spec, pipe) if spec is not None else None
+
     def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         record.steps_denoised += 1
+        if cache is not None:
+            cache.step_ended()
         preview = None
         if step + 1 in previews:
             preview = _preview(loaded, tensors["latents"], ctx, record, store)
@@ -125,7 +133,8 @@ def generate(
         call.update(sources or {})
         if request.strength is not None:  # img2img and inpaint; edit has none
             call["strength"] = request.strength
-        latents = pipe(**_accepted(pipe, call)).images
+        with cache if cache is not None else nullcontext():
+            latents = pipe(**_accepted(pipe, call)).images
         if pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the
             # device and re-arms them, as its own call does at the end (a no-op at full).
@@ -147,6 +156,10 @@ def generate(
 
     images, decoded = decode(loaded, decode_on)
     record.ran_on(decoded)  # a lower rung's after a decode descent, as the result will say
+    if step_cache is not None:
+        record.settings = record.settings.model_copy(deep=True)  # the job's note, not the load's
+        record.settings.add(step_cache.kind, "step_cache", step_cache.reason)
+    record.step_cache = cache.report() if cache is not None else None
     record.peak_memory_bytes = dev.peak_bytes(info)
     record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
     return images, decoded

@@ -28,6 +28,7 @@ from worker.memory.ladder import (
     usable_gb,
 )
 from worker.memory.peaks import Peak, PeakBook, Shape, card_kind, lowest_need_gb
+from worker.pipelines import step_cache
 from worker.pipelines.loading import choose_dtype, fit_for
 from worker.pipelines.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
 from worker.pipelines.switches import compile_plan
@@ -154,6 +155,7 @@ class Planner:
             dtype=DTYPE_NAMES[choose_dtype(manifest, self.info)[0]],
             quantized=tuple(sorted(fit.quantized.items())),
             mode=request.mode or "txt2img",
+            step_cache=step_cache.decide(manifest, self.settings, request).spec is not None,
         )
 
     @functools.cached_property

@@ -34,12 +34,14 @@ from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
 from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
+from worker.pipelines import step_cache
 from worker.pipelines.compile import graphs_compiled
 from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
 from worker.pipelines.families import cfg_active
 from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
 from worker.pipelines.resident import LoadedPipeline, PipelineCache
+from worker.pipelines.step_cache import StepCacheDecision
 from worker.pipelines.switches import compile_fell_back
 from worker.render.context import JobContext
 from worker.render.generate import DecodeRules, apply_loras, generate
@@ -65,6 +67,7 @@ class JobRun:
     watch: Stopwatch
     record: TimingRecord
     sources: dict[str, Image.Image]  # img2img's, inpaint's and edit's inputs, for the pipe
+    step_cache: StepCacheDecision  # whether its denoise reuses steps, and why
 
     @property
     def pin(self) -> bool | None:
@@ -167,7 +170,9 @@ class Renderer:
             #    still holds the job (a stalled worker's lease may have lapsed) before writing.
             with watch.phase("image_encode"):
                 device = self.info.torch_device
-                encoded = output.encode_images(images, request, loaded, inputs, device)
+                encoded = output.encode_images(
+                    images, request, loaded, inputs, device, record.step_cache
+                )
             ctx.confirm()
             # 9. Save the images, then result.json last, as the mark of a complete job.
             result = self._save(job, encoded, started_at, digest)
@@ -207,13 +212,15 @@ class Renderer:
         record: TimingRecord,
         sources: dict[str, Image.Image],
     ) -> JobRun:
-        """The job's rung and ladder; a compile pin its rung cannot honour fails here."""
+        """The job's rung, ladder and step cache; a compile pin its rung cannot honour, or a step
+        cache this worker switched off, fails here."""
         manifest = self.manifests[request.model]
+        cache = step_cache.decide(manifest, self.settings, request)
         ladder = Ladder(manifest.id, request.rung or self.settings.memory_mode, record.attempts)
         choice = self.planner.choose_rung(manifest, request)
         record.rung_reason = choice.reason
         record.planned_from = "measured" if choice.measured else "declared"
-        return JobRun(ctx, request, manifest, choice, ladder, watch, record, sources)
+        return JobRun(ctx, request, manifest, choice, ladder, watch, record, sources, cache)
 
     # -- 6. load --------------------------------------------------------------------------------
 
@@ -313,6 +320,7 @@ class Renderer:
                         store=self.store,
                         sources=job.sources,
                         decode=decode,
+                        step_cache=job.step_cache,
                     )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):

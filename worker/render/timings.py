@@ -25,6 +25,7 @@ from api_client.schema import (
     RenderRequest,
     RenderResult,
     SettingsReport,
+    StepCacheReport,
     TimingFit,
     Timings,
 )
@@ -139,6 +140,7 @@ class TimingRecord(BaseModel):
     # source None: it compiled nothing (eager, or graphs this process already held).
     compile_s: float = 0.0
     compile_source: Literal["cold", "local", "fleet"] | None = None
+    step_cache: StepCacheReport | None = None  # what the job's step cache computed and reused
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
