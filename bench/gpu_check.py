@@ -250,6 +250,7 @@ class Case:
             "group_offload": 60.0,
             "quant": 60.0,
             "compile": 150.0,
+            "step_cache": 120.0,
         }
     )
 
@@ -284,6 +285,8 @@ FLUX = Case(
         "group_offload": 60.0,
         "quant": 50.0,
         "compile": 150.0,
+        # 3 prompts x 2 jobs of 28 steps at 1024 px, bf16, eager: ~0.3 s a step unquantized.
+        "step_cache": 60.0,
     },
 )
 QWEN = Case(
@@ -300,6 +303,8 @@ QWEN = Case(
         "group_offload": 90.0,
         "quant": 80.0,
         "compile": 240.0,
+        # 3 prompts x 2 jobs of 28 steps, two 60-block passes a step (true CFG) at 1024 px.
+        "step_cache": 150.0,
     },
 )
 # The compile case's second size: a new shape after warm-up, ~1 MP on the 16 px grid like 1024^2.
@@ -308,7 +313,7 @@ QUANT_TYPES = {"float8": "Float8Tensor", "int8": "Int8Tensor"}
 FAMILIES = (FLUX.family, QWEN.family, *(case.family for case in CASES))
 # One card run (about 8 minutes) does not hold them all: --families, --sections and --rungs cut
 # a run down to what fits, e.g. FLUX.1's compile methods against its eager full rung alone.
-SECTIONS = ("rungs", "float8_int8", "compile_methods", "compile", "int8", "oom")
+SECTIONS = ("rungs", "float8_int8", "compile_methods", "step_cache", "compile", "int8", "oom")
 
 
 @dataclass
@@ -323,6 +328,7 @@ class Report:
     rungs: list[dict[str, Any]] = field(default_factory=list)
     float8_int8: dict[str, Any] = field(default_factory=dict)
     compile_methods: list[dict[str, Any]] = field(default_factory=list)
+    step_cache: list[dict[str, Any]] = field(default_factory=list)
     compile: list[dict[str, Any]] = field(default_factory=list)
     int8: dict[str, Any] = field(default_factory=dict)
     int8_t5: dict[str, Any] = field(default_factory=dict)
@@ -369,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         # 3. Regional against whole compile (FLUX.1 rebuilt if Qwen-Image pushed it off the disk).
         for case in (FLUX, QWEN):
             _check_compile_methods(run, case)
-        # 4. The SD families as before: rungs, compile, int8 text encoders, a real OOM.
+        # 4. Their published step caches against none, at the same seeds (bench/step_cache.py).
+        for case in (FLUX, QWEN):
+            _check_step_cache(run, case)
+        # 5. The SD families as before: rungs, compile, int8 text encoders, a real OOM.
         for case in CASES:
             _check_rungs(run, case)
         _check_compile(run)
@@ -432,6 +441,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=420.0,
         help="later sections are skipped (and reported) past this many seconds",
+    )
+    parser.add_argument(
+        "--cache-steps",
+        type=int,
+        default=28,
+        help="steps of the step_cache section's jobs (default 28: ParaAttention's FLUX figure)",
     )
     parser.add_argument(
         "--compile-on-cpu",
@@ -966,6 +981,37 @@ def _check_compile_methods(run: Run, case: Case) -> None:
             run.write()
 
 
+def _check_step_cache(run: Run, case: Case) -> None:
+    """The published manifest's step cache on the real architecture at its size, eager at full:
+    each prompt uncached then cached at one seed, the speed-up of the medians, steps reused, and
+    PSNR and SSIM of cached against uncached (random weights: the pixels are noise, so quality
+    figures here bound the drift, they do not judge images). A dry run forces the cache on at
+    4 steps to run the path."""
+    from bench.step_cache import PROMPTS, compare, summary
+
+    manifest = run.manifest(case, "step_cache", "step_cache")
+    if manifest is None or case.claims_from is None:
+        return
+    published = load_manifest_file(MANIFESTS / case.claims_from).step_cache
+    if published is None:
+        run.report.skipped.append(f"step_cache {case.family}: {case.claims_from} declares none")
+        return
+    variant = _variant(manifest, step_cache=published.model_dump(exclude_none=True))
+    steps = 4 if run.args.dry_run else run.args.cache_steps
+    recorder = _Recorder(run.settings.model_copy(update={"memory_mode": "full"}), variant)
+    try:
+        pairs = compare(recorder.renderer, variant.id, None, PROMPTS[:3], steps)
+        entry = {"case": f"{case.family}@{manifest.default_size[0]}", "from": case.claims_from}
+        entry |= summary(variant.id, published.threshold, pairs)
+        entry["pairs"] = [asdict(p) for p in pairs]
+        run.report.step_cache.append(entry)
+    except Exception as exc:
+        run.report.failures.append(f"step_cache {case.family}: {type(exc).__name__}: {exc}")
+    finally:
+        recorder.evict_all()
+        run.write()
+
+
 def _compiled(run: Run, case: Case, variant: Manifest, second: tuple[int, int]) -> dict[str, Any]:
     # Each method's cold compile starts from nothing, not from the graphs the other one left.
     torch._dynamo.reset()
@@ -1207,6 +1253,13 @@ def _print(report: Report, path: Path) -> None:
             f" warm {entry['warm_denoise_s']:.3f}s (eager {entry.get('eager_warm_denoise_s', '?')},"
             f" speedup {entry.get('speedup', '?')}x), at {entry['second_size']}"
             f" {entry['recompiles_at_second_size']} recompiles, {entry['recompiles_total']} in all"
+        )
+    for entry in report.step_cache:
+        print(
+            f"  step_cache {entry['case']} threshold {entry['threshold']}: denoise"
+            f" {entry['plain_denoise_s']}s -> {entry['cached_denoise_s']}s"
+            f" ({entry['denoise_speedup']}x), {entry['steps_reused']} of {entry['steps']} steps"
+            f" reused, PSNR {entry['psnr_db']} dB, SSIM {entry['ssim']}"
         )
     for entry in report.compile:
         print(

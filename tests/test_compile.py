@@ -69,7 +69,10 @@ def test_a_failing_first_compiled_forward_falls_back_to_eager(
         raise RuntimeError("injected compiler failure")
 
     def compile_with_broken_backend(
-        denoiser: torch.nn.Module, settings: Settings, method: str = "auto"
+        denoiser: torch.nn.Module,
+        settings: Settings,
+        method: str = "auto",
+        step_cache: bool = False,
     ) -> str:
         # A small region keeps Dynamo's tracing cheap; the failure path is the same.
         denoiser.time_embedding.compile(backend=broken_backend)  # type: ignore[operator]

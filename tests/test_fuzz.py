@@ -195,7 +195,7 @@ def renderer_for_fuzz(
     # take minutes a draw, so the fuzz's worker compiles with a fake that changes nothing.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            "worker.pipelines.compile.compile_denoiser", lambda *_args: "fake compile (fuzz)"
+            "worker.pipelines.compile.compile_denoiser", lambda *_args, **_kw: "fake compile (fuzz)"
         )
         yield _fuzz_renderer(tmp_path_factory, tiny_dir, redis_url)
 

@@ -1,5 +1,6 @@
 """bench/gpu_check.py --dry-run on CPU: the real-architecture configs build (shrunk), every
-rung of every family (FLUX.1 and Qwen-Image too) renders through kiln's renderer, float8 is
+rung of every family (FLUX.1 and Qwen-Image too) renders through kiln's renderer, their published
+step caches run against none at the same seeds, float8 is
 reported skipped on the CPU while int8 shrinks the FLUX.1 and Qwen-Image transformers, int8
 shrinks SDXL's text encoder and SD3's T5, the drilled OOM is survived, and the profile comparison
 says it had no GPU to compare. A run cut down by --families, --sections and --rungs does only
@@ -86,6 +87,21 @@ def test_float8_is_skipped_on_cpu_and_int8_shrinks_the_transformers(
         assert float8["weight_bytes"] == base["weight_bytes"]
         assert int8["outcome"] == "applied" and int8["weight_types"] == ["Int8Tensor"]
         assert int8["weight_bytes"] < base["weight_bytes"] and int8["warm_denoise_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_published_step_caches_run_against_none_at_the_same_seeds(
+    dry_run: tuple[dict, str],
+) -> None:
+    """flux1-dev's and qwen-image's step_cache, forced on at 4 steps in a dry run: three prompts,
+    each uncached then cached, with PSNR and SSIM (the first card run's numbers: 28 steps)."""
+    report, stdout = dry_run
+    entries = {entry["case"]: entry for entry in report["step_cache"]}
+    assert set(entries) == {"flux@128", "qwenimage@128"}
+    for entry in entries.values():
+        assert entry["threshold"] == 0.08 and entry["steps"] == 4 and len(entry["pairs"]) == 3
+        assert entry["ssim"] <= 1.0 and entry["cached_denoise_s"] > 0
+    assert "step_cache flux@128 threshold 0.08" in stdout
 
 
 @pytest.mark.slow

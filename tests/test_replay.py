@@ -241,7 +241,9 @@ def test_a_compile_pin_unlike_the_resident_pipeline_reloads_it(
     """A fake compile (Inductor on CPU takes minutes): the worker compiles by its policy, a job
     pinned eager reloads eager, the next unpinned job goes back to compiled, and a job pinned
     compiled takes the resident compiled pipeline as it is."""
-    monkeypatch.setattr("worker.pipelines.compile.compile_denoiser", lambda *_args: "fake compile")
+    monkeypatch.setattr(
+        "worker.pipelines.compile.compile_denoiser", lambda *_args, **_kw: "fake compile"
+    )
     settings = make_settings(compile="on")
     client = client_for(redis_conn, settings)
     jobs = [

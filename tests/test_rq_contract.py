@@ -140,7 +140,7 @@ HOOKS = [
     Hook(
         "UnixSignalDeathPenalty.handle_death_penalty",
         "(self, signum, frame)",
-        f"{OVERRIDE} TimeoutPenalty (worker/queue/worker.py)",
+        f"{OVERRIDE} TimeoutPenalty (worker/queue/job.py)",
     ),
     # The job: Job's hooks as RenderJob overrides them, and what kiln calls on jobs.
     Hook("Job.func", "property", f"{OVERRIDE} {J}: never imports the payload's name"),
@@ -516,8 +516,8 @@ def test_rq_redis_layout_is_what_kiln_writes_by_hand(what: str) -> None:
 
 def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
     """A new override (or a new attribute set over rq's) must come with its rq 2.12 record."""
-    from worker.queue.job import RenderJob
-    from worker.queue.worker import KilnWorker, TimeoutPenalty
+    from worker.queue.job import RenderJob, TimeoutPenalty
+    from worker.queue.worker import KilnWorker
 
     recorded = {h.name for h in HOOKS} | {
         f"{owner}.{name}" for owner, names in ATTRIBUTES.items() for name in names

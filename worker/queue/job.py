@@ -8,17 +8,19 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
+from types import FrameType
 from typing import Any
 
 from rq.exceptions import AbandonedJobError
 from rq.job import Job
+from rq.timeouts import UnixSignalDeathPenalty
 
 from api_client import events, keys
 from api_client.client import ABANDONED_RETRIES
 from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import RENDER_FUNC, JobError, JobEvent
 from api_client.webhooks import queue_webhook, webhook_target
-from worker.errors import JobStopped, LeaseLost, RefusedJob, ShutdownStop
+from worker.errors import JobDeadlineExceeded, JobStopped, LeaseLost, RefusedJob, ShutdownStop
 from worker.files.store import Store
 from worker.queue import events as job_events
 from worker.queue import quarantine
@@ -274,3 +276,10 @@ def _request_of(job: Job) -> Any:
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+class TimeoutPenalty(UnixSignalDeathPenalty):
+    """RQ's SIGALRM job timeout, raising JobDeadlineExceeded (a BaseException)."""
+
+    def handle_death_penalty(self, signum: int, frame: FrameType | None) -> None:
+        raise JobDeadlineExceeded(f"ran past its timeout of {self._timeout} s")

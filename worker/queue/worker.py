@@ -49,7 +49,6 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
-from rq.timeouts import UnixSignalDeathPenalty
 from rq.utils import current_timestamp, now
 from rq.worker import WorkerStatus
 from rq.worker_registration import clean_worker_registry
@@ -67,7 +66,7 @@ from worker.errors import (
 from worker.memory.faults import crash_point
 from worker.queue import quarantine
 from worker.queue.claim import Claimed, Claimer
-from worker.queue.job import LEASE_LOST, RenderJob, RQJobContext, record_error
+from worker.queue.job import LEASE_LOST, RenderJob, RQJobContext, TimeoutPenalty, record_error
 from worker.queue.lanes import LaneOrder
 from worker.queue.lease import LeaseKeeper, Outcome
 from worker.queue.memory_gate import MemoryGate
@@ -84,14 +83,10 @@ from worker.queue.webhooks import Dispatcher, queue_failure_delivery
 from worker.render.renderer import Renderer
 
 log = logging.getLogger(__name__)
-LISTEN_S = 0.5  # the pub/sub listener's read timeout: how long its stop may wait (subscribe)
-
-
-class TimeoutPenalty(UnixSignalDeathPenalty):
-    """RQ's SIGALRM job timeout, raising JobDeadlineExceeded (a BaseException)."""
-
-    def handle_death_penalty(self, signum: int, frame: FrameType | None) -> None:
-        raise JobDeadlineExceeded(f"ran past its timeout of {self._timeout} s")
+# The pub/sub listener's read timeout. rq unsubscribes, then stops the thread, which redis-py 8
+# joins: a thread that read the unsubscribe's answer first waits out one more read (at rq's 60 s,
+# burst workers in CI returned a minute late).
+LISTEN_S = 0.5
 
 
 class KilnWorker(SimpleWorker):
@@ -456,7 +451,7 @@ class KilnWorker(SimpleWorker):
     def _snapshot(self) -> Snapshot:
         self.last_heartbeat = now()
         return Snapshot(
-            state=_state_name(self.get_state()),
+            state=self.get_state(),
             running=self.get_current_job_id(),
             jobs_done=self.lease.done_jobs,
             working_s=self.lease.working_s,
@@ -475,11 +470,7 @@ class KilnWorker(SimpleWorker):
         return self.lease.running_id()
 
     def subscribe(self) -> None:
-        """RQ's listener on this worker's channel, reading with a LISTEN_S timeout in place of
-        rq's 60 s. rq unsubscribes and then stops the thread, and redis-py 8's stop() joins it:
-        a thread that reads the unsubscribe's answer in between waits out a whole read before
-        it sees the stop (burst workers in CI returned 60 s late). LISTEN_S bounds that wait."""
-        log.info("%s: listening on %s", self.name, self.pubsub_channel_name)
+        """rq's listener on this worker's channel, reading LISTEN_S at a time, not rq's 60 s."""
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(
@@ -605,9 +596,3 @@ class KilnWorker(SimpleWorker):
             log.warning("could not withdraw worker state: %s", exc)
             return
         self.publisher.withdraw()
-
-
-def _state_name(state: object) -> str:
-    """RQ's worker state as its value (busy, idle, suspended): str() of its enum would publish
-    "WorkerStatus.BUSY" to every reader of kiln:worker:<name>."""
-    return str(getattr(state, "value", state))
