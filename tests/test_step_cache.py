@@ -251,6 +251,7 @@ def test_a_worker_with_the_switch_off_refuses_a_pinned_step_cache(
     [
         ("tiny-flux", "img2img"),
         ("tiny-flux", "inpaint"),
+        ("tiny-flux-kontext", "edit"),
         ("tiny-qwenimage", "txt2img"),
         ("tiny-qwenimage", "img2img"),
         ("tiny-qwenimage", "inpaint"),
@@ -262,13 +263,15 @@ def test_every_mode_of_a_caching_family_reuses_steps(
     settings = make_settings()
     renderer = make_renderer(settings, [model])
     job: dict[str, Any] = {**JOB, "model": model, "steps": 10, "step_cache": True}
-    if mode != "txt2img":
+    if mode == "edit":
+        job["image"] = input_refs["image"]
+    elif mode != "txt2img":
         job |= {"image": input_refs["image"], "strength": 0.9}
     if mode == "inpaint":
         job["mask"] = input_refs["mask"]
     result = renderer.render(job, LocalContext(f"cached-{model}-{mode}"))
     assert result.step_cache is not None and result.step_cache.steps_reused > 0
-    denoised = 10 if mode == "txt2img" else 9  # strength 0.9 of 10 steps
+    denoised = 10 if mode in ("txt2img", "edit") else 9  # strength 0.9 of 10 steps
     assert result.step_cache.steps_computed + result.step_cache.steps_reused == denoised
 
 

@@ -139,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="pin torch.compile of the denoiser on or off (fails naming why if it cannot)",
     )
+    submit.add_argument(
+        "--step-cache",
+        action=argparse.BooleanOptionalAction,
+        help="reuse denoiser steps (a fast draft) or compute every step (the exact final);"
+        " unset: the worker's KILN_STEP_CACHE decides",
+    )
     submit.add_argument("--webhook", help="a webhook target named in the workers' KILN_WEBHOOKS")
     submit.add_argument("--job-id", help="idempotency key: the same id twice renders once")
     submit.add_argument(
