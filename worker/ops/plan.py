@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from api_client.manifest import Manifest
-from api_client.schema import Rung
+from api_client.schema import RenderRequest, Rung
 from worker.errors import CompileRequired
 from worker.memory import rungs
 from worker.memory.device import DeviceInfo
 from worker.memory.ladder import pick_rung, rung_need_gb
+from worker.pipelines import step_cache
 from worker.pipelines.compile import compile_available
 from worker.pipelines.families import FamilySpec, spec_for
 from worker.pipelines.loading import choose_dtype, fit_for
@@ -151,6 +152,10 @@ def _switches(
     _compile(plan, manifest, info, settings)
     if decided["taesd_preview"].kind == "applied":
         add(("applied", "taesd_preview", decided["taesd_preview"].reason))
+    # A job at the manifest's default steps; a request may still ask for it or against it.
+    default = RenderRequest(model=manifest.id, prompt="-", steps=manifest.steps.default)
+    cache = step_cache.decide(manifest, settings, default)
+    add((cache.kind, "step_cache", f"{cache.reason} (at the default {default.steps} steps)"))
 
 
 def _compile(plan: ModelPlan, manifest: Manifest, info: DeviceInfo, settings: Settings) -> None:
