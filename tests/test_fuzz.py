@@ -94,6 +94,7 @@ plausible = {
     "rung": st.sampled_from([None, "full", "model_offload", "group_offload", "partial", "", "x"]),
     "compile": st.sampled_from([None, True, False, "on", 1]),
     "priority": st.sampled_from([None, "interactive", "batch", "urgent", ""]),
+    "step_cache": st.sampled_from([None, True, False, "on", 1]),
 }
 
 

@@ -275,6 +275,19 @@ def test_every_mode_of_a_caching_family_reuses_steps(
     assert result.step_cache.steps_computed + result.step_cache.steps_reused == denoised
 
 
+def test_every_rung_runs_the_cache_with_the_same_decisions(make_settings: Any) -> None:
+    """The offload rungs' hooks (accelerate's, group offload's, the partial split's) and the
+    cache's wrap the same blocks: each rung reuses the steps full does."""
+    renderer = make_renderer(make_settings(), [FLUX])
+    reused = []
+    for rung in ("full", "partial", "model_offload", "group_offload"):
+        job = {**JOB, "rung": rung, "step_cache": True}
+        result = renderer.render(job, LocalContext(f"rung-{rung}"))
+        assert result.rung == rung and result.step_cache is not None
+        reused.append(result.step_cache.steps_reused)
+    assert reused[0] > 0 and set(reused) == {reused[0]}
+
+
 def test_true_cfg_passes_are_named_where_the_pipeline_names_none(make_settings: Any) -> None:
     """FluxImg2ImgPipeline sets no cache context: kiln's hook names each step's first pass cond
     and its second (true CFG) uncond, so the two keep their own residuals."""
