@@ -42,7 +42,7 @@ def connect(url: str, **options: Any) -> Redis:
     sentinel = Sentinel(
         hosts, sentinel_kwargs=sentinel_auth, socket_timeout=options.get("socket_timeout", 5.0)
     )
-    client: Redis = sentinel.master_for(service, db=db, **auth, **options)
+    client: Redis = sentinel.master_for(service, db=db, **{**auth, **options})
     return client
 
 

@@ -14,6 +14,7 @@ from worker.settings import Settings
 # per compiled graph, then no more for new sizes). True, dynamic from the first compile, saved
 # that recompile but did not measure better over three sizes (bench/RESULTS.md); the bench sets it.
 DYNAMIC: bool | None = None
+COMPILED_FORWARD = "_kiln_compiled_forward"  # marks a block whose own forward kiln compiled
 
 
 def use_persistent_cache(settings: Settings) -> None:
@@ -55,7 +56,7 @@ def compile_denoiser(
         for module in denoiser.modules():
             if type(module).__name__ in blocks:
                 module.forward = torch.compile(module.forward, fullgraph=True, dynamic=DYNAMIC)
-                module._kiln_compiled_forward = True
+                setattr(module, COMPILED_FORWARD, True)
         return (
             f"regional forwards: torch.compile of each repeated {', '.join(blocks)} block's"
             " forward, the step cache's hooks outside them"
@@ -74,7 +75,7 @@ def uncompile_denoiser(denoiser: torch.nn.Module) -> None:
     for module in denoiser.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
-        if module.__dict__.pop("_kiln_compiled_forward", False):
+        if module.__dict__.pop(COMPILED_FORWARD, False):
             del module.forward  # the class's forward again
 
 

@@ -22,7 +22,6 @@ it from a hook on the denoiser: a step's first pass is "cond", its second (true 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable
@@ -80,13 +79,18 @@ def decide(manifest: Manifest, settings: Settings, request: RenderRequest) -> St
     return StepCacheDecision("applied", why, spec)
 
 
-@functools.cache
+_NAMES_CONTEXTS: dict[type, bool] = {}
+
+
 def names_its_contexts(pipeline_class: type) -> bool:
     """Whether the pipeline's own call names the cache context around each denoiser pass."""
-    try:
-        return "cache_context(" in inspect.getsource(pipeline_class.__call__)
-    except (OSError, TypeError):
-        return False
+    if pipeline_class not in _NAMES_CONTEXTS:
+        try:
+            source = inspect.getsource(pipeline_class.__call__)
+        except (OSError, TypeError):
+            source = ""
+        _NAMES_CONTEXTS[pipeline_class] = "cache_context(" in source
+    return _NAMES_CONTEXTS[pipeline_class]
 
 
 class StepCache(AbstractContextManager["StepCache"]):

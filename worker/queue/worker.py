@@ -473,7 +473,7 @@ class KilnWorker(SimpleWorker):
         """rq's listener on this worker's channel, reading LISTEN_S at a time, not rq's 60 s."""
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
-        self.pubsub_thread = self.pubsub.run_in_thread(
+        self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]
             sleep_time=LISTEN_S, daemon=True, exception_handler=self._pubsub_exception_handler
         )
 
