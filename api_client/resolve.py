@@ -9,7 +9,7 @@ import random
 
 from api_client.errors import Problem, RequestRejected, short
 from api_client.loras import resolve_loras
-from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest
+from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest, partway_refusal
 from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest
 
 
@@ -69,6 +69,10 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     if request.step_cache and manifest.step_cache is None:
         why = f"model {manifest.id}'s manifest declares no step_cache"
         problems.append(Problem("step_cache", True, why))
+    elif request.step_cache and manifest.step_cache is not None:
+        part_way = partway_refusal(manifest.step_cache, mode)
+        if part_way is not None:
+            problems.append(Problem("step_cache", True, f"model {manifest.id}: {part_way}"))
     loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)

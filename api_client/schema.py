@@ -230,7 +230,7 @@ class StepCacheReport(BaseModel):
     how many reused the cached residual after the first block."""
 
     kind: str
-    params: dict[str, float]
+    params: dict[str, int | float | str]
     steps_computed: int = 0
     steps_reused: int = 0
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from api_client import RequestRejected
-from api_client.manifest import Manifest, StepCacheSpec
+from api_client.manifest import FirstBlockCache, Manifest
 from api_client.resolve import resolve_request
 from api_client.schema import RenderRequest, RenderResult
 from tests.conftest import MANIFESTS, ROOT
@@ -55,16 +55,23 @@ def input_refs() -> dict[str, str]:
     return {"image": data_url(Image.new("RGB", (128, 128), (90, 40, 200))), "mask": data_url(mask)}
 
 
+MAG = "tiny-flux-mag"
+
+
 @pytest.fixture
 def exact_dir(tmp_path: Path) -> Path:
-    """tiny-flux-exact: tiny-flux's weights with a threshold no step's residual stays under."""
+    """tiny-flux-exact: tiny-flux's weights with a threshold no step's residual stays under;
+    tiny-flux-mag: tiny-flux's weights with MagCache and diffusers' FLUX.1-dev ratios."""
     directory = tmp_path / "manifests"
     directory.mkdir()
     text = (MANIFESTS / f"{FLUX}.yaml").read_text()
-    text = text.replace(f"id: {FLUX}\n", "id: tiny-flux-exact\n")
-    text = text.replace("threshold: 0.5}", "threshold: 1.0e-9}")
-    assert "tiny-flux-exact" in text and "1.0e-9" in text, "tiny-flux.yaml changed shape"
-    (directory / "tiny-flux-exact.yaml").write_text(text)
+    cache = "step_cache: {kind: first_block, threshold: 0.5}"
+    assert f"id: {FLUX}\n" in text and cache in text, "tiny-flux.yaml changed shape"
+    exact = text.replace(f"id: {FLUX}\n", "id: tiny-flux-exact\n")
+    (directory / "tiny-flux-exact.yaml").write_text(exact.replace("0.5}", "1.0e-9}"))
+    mag = text.replace(f"id: {FLUX}\n", f"id: {MAG}\n")
+    mag = mag.replace(cache, "step_cache: {kind: magcache, threshold: 0.06, mag_ratios: flux}")
+    (directory / f"{MAG}.yaml").write_text(mag)
     return directory
 
 
@@ -74,7 +81,10 @@ def exact_dir(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("step_cache", "family", "expected"),
     [
-        ({"kind": "magcache", "threshold": 0.1}, "flux", "first_block"),
+        ({"kind": "teacache", "threshold": 0.1}, "flux", "'first_block', 'magcache'"),
+        ({"kind": "magcache", "threshold": 0.1}, "flux", "mag_ratios"),
+        ({"kind": "magcache", "threshold": 0.1, "mag_ratios": [1.0]}, "flux", "at least 2"),
+        ({"kind": "magcache", "threshold": 0.1, "mag_ratios": "wan"}, "flux", "mag_ratios"),
         ({"kind": "first_block", "threshold": 0.1, "cache_interval": 2}, "flux", "cache_interval"),
         ({"kind": "first_block", "threshold": 0}, "flux", "greater than 0"),
         ({"kind": "first_block"}, "flux", "threshold"),
@@ -113,7 +123,7 @@ def test_manifests_check_names_the_file_and_field_of_an_unknown_kind(tmp_path: P
     )
     assert run.returncode == 1, run.stdout + run.stderr
     said = run.stdout + run.stderr
-    assert f"{FLUX}.yaml" in said and "step_cache.kind" in said and "teacache" in said
+    assert f"{FLUX}.yaml" in said and "step_cache" in said and "teacache" in said
 
 
 # -- the decision per job ---------------------------------------------------------------------
@@ -233,6 +243,37 @@ def test_a_cached_job_reuses_steps_and_an_exact_one_matches_the_uncached(
     assert read_details(Path(plain.images[0].path or "")).replay_request().step_cache is False
 
 
+def test_magcache_skips_whole_steps_after_its_retained_ones(
+    make_settings: Any, exact_dir: Path
+) -> None:
+    """MagCache with diffusers' FLUX.1-dev ratios, interpolated to the job's 28 steps: the first
+    fifth always computes (retention_ratio 0.2), later steps are skipped whole."""
+    renderer = make_renderer(make_settings(manifests=exact_dir), [MAG])
+    job = {**JOB, "model": MAG, "steps": 28}
+    plain = renderer.render({**job, "step_cache": False}, LocalContext("mag-plain"))
+    cached = renderer.render({**job, "step_cache": True}, LocalContext("mag-cached"))
+    assert plain.step_cache is None and cached.step_cache is not None
+    report = cached.step_cache
+    assert report.kind == "magcache" and report.params["mag_ratios"] == "flux"
+    assert report.params["max_skip_steps"] == 3 and report.params["retention_ratio"] == 0.2
+    assert report.steps_computed + report.steps_reused == 28
+    assert 6 <= report.steps_computed < 28 and report.steps_reused > 0
+    assert _pixels(cached) != _pixels(plain)
+
+
+def test_magcache_is_refused_for_modes_that_start_part_way(
+    make_settings: Any, exact_dir: Path, input_refs: dict[str, str]
+) -> None:
+    manifest = load_manifests(exact_dir, [MAG])[MAG]
+    img2img = RenderRequest(
+        model=MAG, prompt="x", steps=30, image=input_refs["image"], strength=0.5
+    )
+    with pytest.raises(RequestRejected, match="starts part-way"):
+        resolve_request(img2img.model_copy(update={"step_cache": True}), manifest)
+    decision = decide(manifest, make_settings(), resolve_request(img2img, manifest))
+    assert decision.kind == "skipped" and "img2img starts part-way" in decision.reason
+
+
 def test_a_worker_with_the_switch_off_refuses_a_pinned_step_cache(
     redis_conn: Redis, make_settings: Any
 ) -> None:
@@ -298,8 +339,8 @@ def test_true_cfg_passes_are_named_where_the_pipeline_names_none(make_settings: 
     loaded = renderer.cache.get(FLUX)
     assert loaded is not None
     pipe = loaded.pipe_for("img2img")
-    spec = StepCacheSpec(kind="first_block", threshold=0.5)
-    with StepCache(loaded.denoiser, spec, pipe) as cache:
+    spec = FirstBlockCache(kind="first_block", threshold=0.5)
+    with StepCache(loaded.denoiser, spec, pipe, steps=5) as cache:
 
         def step_end(_p: Any, _i: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             cache.step_ended()
@@ -318,11 +359,8 @@ def test_true_cfg_passes_are_named_where_the_pipeline_names_none(make_settings: 
             output_type="latent",
             callback_on_step_end=step_end,
         )
-    by_pass = {
-        name: sum(n for (p, _), n in cache.decisions.items() if p == name)
-        for name in ("cond", "uncond")
-    }
-    assert by_pass == {"cond": 5, "uncond": 5}
+    assert cache.passes == {"cond": 5, "uncond": 5}
+    assert 0 < cache.computed["cond"] < 5 and 0 < cache.computed["uncond"] < 5
     assert getattr(loaded.denoiser, "_cache_config", None) is None  # removed on exit
     assert not loaded.denoiser._forward_pre_hooks and not loaded.denoiser._forward_hooks
 
@@ -340,12 +378,14 @@ def test_a_cached_shape_is_measured_apart(make_settings: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwenimage"])
-def test_under_compile_the_switch_flips_with_no_recompile(make_settings: Any, model: str) -> None:
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwenimage", MAG])
+def test_under_compile_the_switch_flips_with_no_recompile(
+    make_settings: Any, exact_dir: Path, model: str
+) -> None:
     """Compiled (a pin, as a replay's: auto does not compile on a CPU), the block forwards are
     compiled and the cache's hooks sit outside them: cached, uncached and cached again run the
-    same graphs, and the cached job differs from the uncached one."""
-    renderer = make_renderer(make_settings(), [model])
+    same graphs, and the cached job differs from the uncached one. Both kinds."""
+    renderer = make_renderer(make_settings(manifests=exact_dir), [model])
     job = {**JOB, "model": model, "compile": True}
     first = renderer.render({**job, "step_cache": True}, LocalContext(f"c1-{model}"))
     plain = renderer.render({**job, "step_cache": False}, LocalContext(f"c2-{model}"))

@@ -148,7 +148,10 @@ def image_details(
     """What image `index` of a job carries inside its file: enough to render it again."""
     cached = None
     if step_cache is not None:
-        params = " ".join(f"{name}={value:g}" for name, value in step_cache.params.items())
+        params = " ".join(
+            f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+            for name, value in step_cache.params.items()
+        )
         cached = f"{step_cache.kind} {params}".strip()
     return ImageDetails(
         kiln=kiln_version(),

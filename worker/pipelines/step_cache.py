@@ -1,4 +1,5 @@
-"""Step caches: diffusers' First Block Cache on the resident denoiser, for the jobs that use one.
+"""Step caches on the resident denoiser, for the jobs that use one: diffusers' First Block Cache
+(`first_block`) and MagCache (`magcache`), both hooks on the transformer's blocks.
 
 Per job, decide() says whether it runs: the request's true or false, else the step_cache switch
 (the manifest's optimizations over KILN_STEP_CACHE) against the manifest's step_cache and its
@@ -12,7 +13,9 @@ fails ("Skip inlining torch.compiler.disable()d function"). So for a model that 
 cache kiln compiles each repeated block's own forward (worker.pipelines.compile), and the hooks
 wrap the compiled forwards from outside: the decision stays eager, the blocks stay compiled, one
 graph per block class serves every instance, and jobs with and without the cache run the same
-graphs: no recompile when the switch flips (tests/test_step_cache.py).
+graphs: no recompile when the switch flips (tests/test_step_cache.py). TaylorSeer, the third
+kind diffusers ships, hooks the attention modules inside each block, inside the graphs; measured
+on tiny-flux it fails the same way under these compiled forwards, so kiln does not offer it.
 
 Cache contexts. The hooks keep one state per context ("cond", "uncond"), which the pipeline names
 around each denoiser pass. FluxPipeline, Flux2KleinPipeline and the Qwen-Image pipelines do;
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -32,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from api_client.manifest import NO_STEP_CACHE, Manifest, StepCacheSpec
+from api_client.manifest import NO_STEP_CACHE, Manifest, StepCacheSpec, partway_refusal
 from api_client.schema import RenderRequest, StepCacheReport
 from worker.errors import PinRefused
 from worker.settings import Settings
@@ -66,6 +68,9 @@ def decide(manifest: Manifest, settings: Settings, request: RenderRequest) -> St
         )
     if value == "off":
         return StepCacheDecision("skipped", "switched off")
+    part_way = partway_refusal(spec, request.mode)
+    if part_way is not None:  # a request's true is refused at submit (resolve_request)
+        return StepCacheDecision("skipped", part_way)
     applied = f"{spec.kind}, threshold {spec.threshold:g}"
     if asked:
         return StepCacheDecision("applied", f"{applied}: asked for (step_cache: true)", spec)
@@ -94,29 +99,38 @@ def names_its_contexts(pipeline_class: type) -> bool:
 
 
 class StepCache(AbstractContextManager["StepCache"]):
-    """One job's First Block Cache on the denoiser: enabled on entry, counted while it runs,
-    removed on exit (whatever ends the denoise). step_ended() is called at each step's end, so
-    the passes of the next step are named in order where the pipeline names none."""
+    """One job's step cache on the denoiser: enabled on entry, counted while it runs, removed on
+    exit (whatever ends the denoise). step_ended() is called at each step's end, so the passes
+    of the next step are named in order where the pipeline names none.
 
-    def __init__(self, denoiser: torch.nn.Module, spec: StepCacheSpec, pipe: Any) -> None:
-        self.denoiser, self.spec = denoiser, spec
+    Counted from outside the cache, the same way for every kind: a hook on the denoiser counts
+    its passes per context, and the last block, which every kind skips when it reuses a step,
+    counts the passes that computed."""
+
+    def __init__(
+        self, denoiser: torch.nn.Module, spec: StepCacheSpec, pipe: Any, steps: int
+    ) -> None:
+        self.denoiser, self.spec, self.steps = denoiser, spec, steps
         self.name_passes = not names_its_contexts(type(pipe))
-        self.decisions: Counter[tuple[str, bool]] = Counter()
-        self._passes = 0
+        self.passes: Counter[str] = Counter()  # denoiser passes per context
+        self.computed: Counter[str] = Counter()  # of those, the ones that ran every block
+        self._step_passes = 0
+        self._context = PASSES[0]
         self._open: AbstractContextManager[Any] | None = None
         self._handles: list[Any] = []
+        self._tail: torch.nn.Module | None = None
+        self._tail_forward: Any = None  # the tail block's own forward attribute, if it had one
+        self._manager: Any = None
 
     def __enter__(self) -> StepCache:
-        from diffusers.hooks import FirstBlockCacheConfig
-
-        self.denoiser.enable_cache(FirstBlockCacheConfig(threshold=self.spec.threshold))  # type: ignore[operator]
         try:
-            self._count(_head_hook(self.denoiser))
-            if self.name_passes:
-                self._handles = [
-                    self.denoiser.register_forward_pre_hook(self._enter_pass),
-                    self.denoiser.register_forward_hook(self._leave_pass, always_call=True),
-                ]
+            self._count_tail()
+            self.denoiser.enable_cache(_config(self.spec, self.steps))  # type: ignore[operator]
+            self._manager = _state_manager(self.denoiser)
+            self._handles = [
+                self.denoiser.register_forward_pre_hook(self._enter_pass),
+                self.denoiser.register_forward_hook(self._leave_pass, always_call=True),
+            ]
         except BaseException:
             self._remove()
             raise
@@ -131,34 +145,46 @@ class StepCache(AbstractContextManager["StepCache"]):
         self._remove()
 
     def step_ended(self) -> None:
-        self._passes = 0
+        self._step_passes = 0
 
     def report(self) -> StepCacheReport:
-        """Decisions in the first pass of each step (the conditional one)."""
+        """The first pass of each step (the conditional one): its steps computed and reused."""
+        cond = PASSES[0]
         return StepCacheReport(
             kind=self.spec.kind,
             params=self.spec.params,
-            steps_computed=self.decisions[(PASSES[0], True)],
-            steps_reused=self.decisions[(PASSES[0], False)],
+            steps_computed=self.computed[cond],
+            steps_reused=self.passes[cond] - self.computed[cond],
         )
 
-    def _count(self, head: Any) -> None:
-        """Wrap the head block's decision (eager: the hooks sit outside compiled code)."""
-        decide: Callable[[torch.Tensor], bool] = head._should_compute_remaining_blocks
-        manager = head.state_manager
+    def _count_tail(self) -> None:
+        """Wrap the last repeated block's forward (compiled or not) before the cache's hooks
+        wrap it: it runs only in passes that computed."""
+        names = set(getattr(self.denoiser, "_repeated_blocks", ()))
+        blocks = [m for m in self.denoiser.modules() if type(m).__name__ in names]
+        if not blocks:
+            raise RuntimeError(f"{type(self.denoiser).__name__} declares no repeated blocks")
+        tail = self._tail = blocks[-1]
+        self._tail_forward = vars(tail).get("forward")
+        inner = tail.forward
 
-        def counted(residual: torch.Tensor) -> bool:
-            compute = decide(residual)
-            self.decisions[(manager.context.name, compute)] += 1
-            return compute
+        def ran(*args: Any, **kwargs: Any) -> Any:
+            self.computed[self._context] += 1
+            return inner(*args, **kwargs)
 
-        head._should_compute_remaining_blocks = counted
+        tail.forward = ran
 
     def _enter_pass(self, _module: torch.nn.Module, _args: Any) -> None:
-        name = PASSES[min(self._passes, len(PASSES) - 1)]
-        self._passes += 1
-        self._open = self.denoiser.cache_context(name)  # type: ignore[operator]
-        self._open.__enter__()
+        if self.name_passes:
+            name = PASSES[min(self._step_passes, len(PASSES) - 1)]
+            self._step_passes += 1
+            self._open = self.denoiser.cache_context(name)  # type: ignore[operator]
+            self._open.__enter__()
+        else:  # the pipeline named it around this call
+            context = getattr(self._manager, "_context", None)
+            name = getattr(context, "name", PASSES[0])
+        self._context = name
+        self.passes[name] += 1
 
     def _leave_pass(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
         if self._open is not None:
@@ -171,15 +197,42 @@ class StepCache(AbstractContextManager["StepCache"]):
         self._handles = []
         if getattr(self.denoiser, "_cache_config", None) is not None:
             self.denoiser.disable_cache()  # type: ignore[operator]
+        if self._tail is not None:
+            if self._tail_forward is not None:
+                self._tail.forward = self._tail_forward
+            else:
+                del self._tail.forward  # the class's forward again
+            self._tail = None
 
 
-def _head_hook(denoiser: torch.nn.Module) -> Any:
-    """The First Block Cache hook on the denoiser's first block: the one that decides."""
-    from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+def _config(spec: StepCacheSpec, steps: int) -> Any:
+    """diffusers' config for this kind, for a job of this many denoiser steps."""
+    if spec.kind == "first_block":
+        from diffusers.hooks import FirstBlockCacheConfig
 
+        return FirstBlockCacheConfig(threshold=spec.threshold)
+    from diffusers.hooks import MagCacheConfig
+
+    if spec.mag_ratios == "flux":
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        ratios: Any = FLUX_MAG_RATIOS
+    else:
+        ratios = torch.tensor(spec.mag_ratios)
+    return MagCacheConfig(
+        threshold=spec.threshold,
+        max_skip_steps=spec.max_skip_steps,
+        retention_ratio=spec.retention_ratio,
+        num_inference_steps=steps,  # the ratios are interpolated to the job's steps
+        mag_ratios=ratios,
+    )
+
+
+def _state_manager(denoiser: torch.nn.Module) -> Any:
+    """The cache hooks' shared state manager: where a pipeline's own context name is read."""
     for module in denoiser.modules():
         registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(_FBC_LEADER_BLOCK_HOOK) if registry is not None else None
-        if hook is not None:
-            return hook
-    raise RuntimeError(f"{type(denoiser).__name__}: enable_cache placed no first-block hook")
+        for hook in getattr(registry, "hooks", {}).values():
+            if getattr(hook, "state_manager", None) is not None:
+                return hook.state_manager
+    raise RuntimeError(f"{type(denoiser).__name__}: enable_cache placed no stateful hook")

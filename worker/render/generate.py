@@ -101,7 +101,7 @@ def generate(
     previews = preview_steps(steps) if wanted else set()
 
     spec = step_cache.spec if step_cache is not None else None
-    cache = StepCache(loaded.denoiser, spec, pipe) if spec is not None else None
+    cache = StepCache(loaded.denoiser, spec, pipe, steps) if spec is not None else None
 
     def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         record.steps_denoised += 1
