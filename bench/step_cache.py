@@ -6,6 +6,7 @@ steps reused, and PSNR and SSIM of each cached image against its uncached twin.
     python bench/step_cache.py                                  # tiny-flux, tiny-qwenimage
     python bench/step_cache.py --thresholds 0.05,0.1,0.2 --steps 28 --compile
     python bench/step_cache.py --models flux1-dev --models-dir /models --json out.json
+    python bench/step_cache.py --models tiny-flux-mag --manifests DIR   # a manifest of your own
 
 The tiny models have random weights: their images are noise, so their PSNR and SSIM say nothing
 about quality, only that the measurement runs. bench/gpu_check.py's step_cache section runs the
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", default="tiny-flux,tiny-qwenimage")
     parser.add_argument("--models-dir", type=Path, default=None, help="default: build tiny ones")
+    parser.add_argument(
+        "--manifests", default=None, help="more manifest directories (KILN_MANIFESTS's form)"
+    )
     parser.add_argument("--thresholds", default="", help="comma-separated; default the manifest's")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=4, help=f"1-{len(PROMPTS)}")
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         timings_log=work / "timings.jsonl",
         inductor_cache_dir=work / "inductor",
         redis_url="redis://127.0.0.1:1/0",  # no Redis: measured peaks stay in this process
+        **({"manifests": args.manifests} if args.manifests else {}),
     )
     manifests = load_manifests(settings.manifests, models)
     prompts = PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
