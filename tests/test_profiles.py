@@ -73,7 +73,18 @@ def real_rung(family: str, profile: str, settings: Any) -> str:
     return pick_rung(manifest, usable, "auto", fit_for(manifest, info, as_card)).rung
 
 
-@pytest.mark.parametrize("profile", MATRIX_PROFILES)
+# `make test` renders every family as a T4 (fp16 or fp32, the low rungs) and as an H100 (bf16,
+# float8, full); the other cards' 42 renders (1.5 minutes of CPU) run in `make test-slow`.
+QUICK_PROFILES = ("t4", "h100")
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [
+        p if p in QUICK_PROFILES else pytest.param(p, marks=pytest.mark.slow)
+        for p in MATRIX_PROFILES
+    ],
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_renders_as_the_profiled_card_would(
     family: str, profile: str, make_settings: Any

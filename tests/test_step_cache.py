@@ -288,37 +288,35 @@ def test_a_worker_with_the_switch_off_refuses_a_pinned_step_cache(
 
 
 @pytest.mark.parametrize(
-    ("model", "mode"),
+    ("model", "modes"),
     [
-        ("tiny-flux", "img2img"),
-        ("tiny-flux", "inpaint"),
-        ("tiny-flux-kontext", "edit"),
-        ("tiny-qwenimage", "txt2img"),
-        ("tiny-qwenimage", "img2img"),
-        ("tiny-qwenimage", "inpaint"),
+        ("tiny-flux", ("img2img", "inpaint")),  # pipelines that name no cache context
+        ("tiny-flux-kontext", ("edit",)),  # nor does Kontext's
+        ("tiny-qwenimage", ("txt2img", "img2img", "inpaint")),
     ],
 )
 def test_every_mode_of_a_caching_family_reuses_steps(
-    make_settings: Any, model: str, mode: str, input_refs: dict[str, str]
+    make_settings: Any, model: str, modes: tuple[str, ...], input_refs: dict[str, str]
 ) -> None:
-    settings = make_settings()
-    renderer = make_renderer(settings, [model])
-    job: dict[str, Any] = {**JOB, "model": model, "steps": 10, "step_cache": True}
-    if mode == "edit":
-        job["image"] = input_refs["image"]
-    elif mode != "txt2img":
-        job |= {"image": input_refs["image"], "strength": 0.9}
-    if mode == "inpaint":
-        job["mask"] = input_refs["mask"]
-    result = renderer.render(job, LocalContext(f"cached-{model}-{mode}"))
-    assert result.step_cache is not None and result.step_cache.steps_reused > 0
-    denoised = 10 if mode in ("txt2img", "edit") else 9  # strength 0.9 of 10 steps
-    assert result.step_cache.steps_computed + result.step_cache.steps_reused == denoised
+    renderer = make_renderer(make_settings(), [model])
+    for mode in modes:
+        job: dict[str, Any] = {**JOB, "model": model, "steps": 10, "step_cache": True}
+        if mode == "edit":
+            job["image"] = input_refs["image"]
+        elif mode != "txt2img":
+            job |= {"image": input_refs["image"], "strength": 0.9}
+        if mode == "inpaint":
+            job["mask"] = input_refs["mask"]
+        result = renderer.render(job, LocalContext(f"cached-{model}-{mode}"))
+        assert result.step_cache is not None and result.step_cache.steps_reused > 0, mode
+        denoised = 10 if mode in ("txt2img", "edit") else 9  # strength 0.9 of 10 steps
+        assert result.step_cache.steps_computed + result.step_cache.steps_reused == denoised
 
 
-def test_every_rung_runs_the_cache_with_the_same_decisions(make_settings: Any) -> None:
+def test_every_rung_runs_the_cache_and_measures_its_shape_apart(make_settings: Any) -> None:
     """The offload rungs' hooks (accelerate's, group offload's, the partial split's) and the
-    cache's wrap the same blocks: each rung reuses the steps full does."""
+    cache's wrap the same blocks: each rung reuses the steps full does. The cache keeps
+    residuals beside the activations, so a cached job's peaks are a shape of their own."""
     renderer = make_renderer(make_settings(), [FLUX])
     reused = []
     for rung in ("full", "partial", "model_offload", "group_offload"):
@@ -327,11 +325,15 @@ def test_every_rung_runs_the_cache_with_the_same_decisions(make_settings: Any) -
         assert result.rung == rung and result.step_cache is not None
         reused.append(result.step_cache.steps_reused)
     assert reused[0] > 0 and set(reused) == {reused[0]}
+    renderer.render({**JOB, "rung": "full", "step_cache": False}, LocalContext("plain-peak"))
+    shapes = {key.rpartition("|")[0] for key in renderer.planner.peaks.own}
+    assert {s.endswith("|step_cache") for s in shapes} == {True, False}, shapes
 
 
 def test_true_cfg_passes_are_named_where_the_pipeline_names_none(make_settings: Any) -> None:
     """FluxImg2ImgPipeline sets no cache context: kiln's hook names each step's first pass cond
-    and its second (true CFG) uncond, so the two keep their own residuals."""
+    and its second (true CFG) uncond, so the two keep their own residuals. Then the blocks
+    compiled for a step cache, and back."""
     from PIL import Image
 
     renderer = make_renderer(make_settings(), [FLUX])
@@ -363,15 +365,15 @@ def test_true_cfg_passes_are_named_where_the_pipeline_names_none(make_settings: 
     assert 0 < cache.computed["cond"] < 5 and 0 < cache.computed["uncond"] < 5
     assert getattr(loaded.denoiser, "_cache_config", None) is None  # removed on exit
     assert not loaded.denoiser._forward_pre_hooks and not loaded.denoiser._forward_hooks
+    # Compiled for a step cache, each block's own forward; uncompiled, the class's again.
+    from worker.pipelines.compile import COMPILED_FORWARD, compile_denoiser, uncompile_denoiser
 
-
-def test_a_cached_shape_is_measured_apart(make_settings: Any) -> None:
-    """The cache keeps residuals beside the activations: its peaks are a shape of their own."""
-    renderer = make_renderer(make_settings(), [FLUX])
-    renderer.render({**JOB, "step_cache": True}, LocalContext("cached-peak"))
-    renderer.render({**JOB, "step_cache": False}, LocalContext("plain-peak"))
-    shapes = {key.rpartition("|")[0] for key in renderer.planner.peaks.own}
-    assert {s.endswith("|step_cache") for s in shapes} == {True, False}, shapes
+    how = compile_denoiser(loaded.denoiser, renderer.settings, step_cache=True)
+    marked = [m for m in loaded.denoiser.modules() if COMPILED_FORWARD in vars(m)]
+    assert how.startswith("regional forwards") and len(marked) == 2  # one of each block kind
+    uncompile_denoiser(loaded.denoiser)
+    assert not [m for m in loaded.denoiser.modules() if COMPILED_FORWARD in vars(m)]
+    assert all(getattr(vars(m).get("forward"), "__wrapped__", None) is None for m in marked)
 
 
 # -- under compile --------------------------------------------------------------------------------
@@ -397,20 +399,6 @@ def test_under_compile_the_switch_flips_with_no_recompile(
     assert [logged[r.job_id].recompiles for r in (first, plain, again)] == [0, 0, 0]
     assert first.step_cache is not None and first.step_cache.steps_reused > 0
     assert _pixels(first) == _pixels(again) != _pixels(plain)
-
-
-def test_uncompiling_a_step_cache_model_restores_its_blocks(make_settings: Any) -> None:
-    from worker.pipelines.compile import compile_denoiser, uncompile_denoiser
-
-    renderer = make_renderer(make_settings(), [FLUX])
-    renderer.render({**JOB, "steps": 2}, LocalContext("to-compile"))
-    loaded = renderer.cache.get(FLUX)
-    assert loaded is not None
-    how = compile_denoiser(loaded.denoiser, renderer.settings, step_cache=True)
-    wrapped = [m for m in loaded.denoiser.modules() if "forward" in vars(m)]
-    assert how.startswith("regional forwards") and len(wrapped) == 2  # one of each block kind
-    uncompile_denoiser(loaded.denoiser)
-    assert not [m for m in loaded.denoiser.modules() if "forward" in vars(m)]
 
 
 def test_a_request_without_the_field_reads_as_before_it_existed() -> None:
