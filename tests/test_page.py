@@ -271,3 +271,28 @@ def test_the_gallery_shows_details_and_renders_again_with_the_same_seed(
         "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", remade
     )
     assert sent["mode"] == "img2img" and sent["image"].startswith("kiln-input:"), sent
+
+
+def test_a_step_cache_is_offered_where_the_model_has_one(
+    page: Any, gateway: Any, redis_conn: Redis, settings: Any
+) -> None:
+    """tiny-sd15 declares no step cache: no field. tiny-flux does: a fast draft asked for in the
+    form goes out as step_cache: true, and the job's details say how many steps it reused."""
+    log_in(page, gateway)
+    cache_field = page.find_element(By.ID, "step_cache-field")
+    assert cache_field.get_attribute("hidden") is not None
+    Select(field(page, "model")).select_by_value("tiny-flux")
+    wait(page, lambda d: cache_field.get_attribute("hidden") is None, "the step cache field")
+    page.find_element(By.CSS_SELECTOR, "details.more summary").click()
+    Select(field(page, "step_cache")).select_by_value("true")
+    fill(page, "prompt", "a kiln, drafted")
+    fill(page, "steps", "8")
+    drafted = submit(page)
+    burst(redis_conn, make_renderer(settings, ["tiny-flux"]), ["tiny-flux"])
+    finished(page, drafted)
+    reused = detail(page, drafted, "step cache")
+    assert reused.startswith("first_block: ") and reused.endswith(" of 8 reused"), reused
+    sent = page.execute_script(
+        "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", drafted
+    )
+    assert sent["step_cache"] is True, sent

@@ -185,6 +185,10 @@ function applyManifest() {
   );
   document.getElementById("loras-field").hidden = !Object.keys(manifest.loras || {}).length;
 
+  // A step cache where the manifest declares one: auto, or the request's pin either way.
+  document.getElementById("step_cache-field").hidden = !manifest.step_cache;
+  f.step_cache.value = "";
+
   f.previews.checked = Boolean(manifest.taesd);
   f.previews.disabled = !manifest.taesd;
   document.getElementById("previews-hint").textContent = manifest.taesd
@@ -297,6 +301,9 @@ async function buildRequest() {
     loras.push(weight === "" ? { name } : { name, weight: Number(weight) });
   }
   if (loras.length) request.loras = loras;
+  if (!document.getElementById("step_cache-field").hidden && f.step_cache.value !== "") {
+    request.step_cache = f.step_cache.value === "true";
+  }
   request.priority = f.priority.value;
   request.output_format = f.output_format.value;
   request.previews = f.previews.checked;
@@ -538,6 +545,11 @@ function detailRows(result) {
   if (result.true_cfg !== null && result.true_cfg !== undefined) {
     rows.splice(4, 0, ["true cfg", result.true_cfg]);
   }
+  const cache = result.step_cache;
+  if (cache) {
+    const steps = cache.steps_computed + cache.steps_reused;
+    rows.splice(rows.length - 2, 0, ["step cache", `${cache.kind}: ${cache.steps_reused} of ${steps} reused`]);
+  }
   return rows.flatMap(([name, value]) => [
     el("dt", { text: name }),
     el("dd", { "data-detail": name, text: String(value) }),
@@ -738,6 +750,7 @@ function fillForm(request) {
     if (request[name] !== undefined && request[name] !== null) f[name].value = String(request[name]);
   }
   if (request.priority) f.priority.value = request.priority;
+  if (typeof request.step_cache === "boolean") f.step_cache.value = String(request.step_cache);
   if (request.output_format) f.output_format.value = request.output_format;
   if (request.previews !== undefined && !f.previews.disabled) f.previews.checked = request.previews;
   if (request.width && request.height) {
