@@ -66,13 +66,11 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             Problem("num_images", request.num_images, f"must be between 1 and {MAX_IMAGES}")
         )
     problems += _pin_problems(request, manifest)
-    if request.step_cache and manifest.step_cache is None:
-        why = f"model {manifest.id}'s manifest declares no step_cache"
-        problems.append(Problem("step_cache", True, why))
-    elif request.step_cache and manifest.step_cache is not None:
-        part_way = partway_refusal(manifest.step_cache, mode)
-        if part_way is not None:
-            problems.append(Problem("step_cache", True, f"model {manifest.id}: {part_way}"))
+    if request.step_cache:
+        spec = manifest.step_cache
+        why = "its manifest declares no step_cache" if spec is None else partway_refusal(spec, mode)
+        if why is not None:
+            problems.append(Problem("step_cache", True, f"model {manifest.id}: {why}"))
     loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)

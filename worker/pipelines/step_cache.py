@@ -37,6 +37,7 @@ import torch
 from api_client.manifest import NO_STEP_CACHE, Manifest, StepCacheSpec, partway_refusal
 from api_client.schema import RenderRequest, StepCacheReport
 from worker.errors import PinRefused
+from worker.pipelines.switches import switch
 from worker.settings import Settings
 
 PASSES = ("cond", "uncond")  # a step's denoiser passes, in the order the pipelines run them
@@ -60,7 +61,7 @@ def decide(manifest: Manifest, settings: Settings, request: RenderRequest) -> St
         return StepCacheDecision("skipped", why)
     if asked is False:
         return StepCacheDecision("skipped", "the request asks for every step (step_cache: false)")
-    value = manifest.optimizations.get("step_cache", settings.step_cache)
+    value = switch(manifest, settings, "step_cache")
     if value == "off" and asked:
         raise PinRefused(
             f"model {manifest.id}: the request asks for a step cache (step_cache: true), but"

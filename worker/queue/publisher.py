@@ -100,16 +100,18 @@ class RecordPublisher:
 class Snapshot:
     """The worker's own figures at one beat, beside what its renderer holds."""
 
-    state: Any  # RQ's worker state (busy, idle, suspended), its enum or its value
+    state: str  # RQ's worker state (busy, idle, suspended): state_name's
     running: str | None  # the id of the job it runs
     jobs_done: int  # RQ's successful_job_count
     working_s: float  # RQ's total_working_time
     blocked: str | None  # why it takes no job now (worker/queue/memory_gate.py)
     heartbeat: datetime  # RQ's last_heartbeat
 
-    def __post_init__(self) -> None:
-        # The enum's value: its str() would publish "WorkerStatus.BUSY" to kiln:worker:<name>.
-        object.__setattr__(self, "state", str(getattr(self.state, "value", self.state)))
+
+def state_name(state: object) -> str:
+    """RQ's worker state as its value (busy, idle, suspended): str() of its enum would publish
+    "WorkerStatus.BUSY" to every reader of kiln:worker:<name>."""
+    return str(getattr(state, "value", state))
 
 
 class StatePublisher:

@@ -75,6 +75,7 @@ from worker.queue.publisher import (
     RecordPublisher,
     Snapshot,
     StatePublisher,
+    state_name,
 )
 from worker.queue.pulse import REDIS_ERRORS, Beats, Outages, Pulse, watch_connection
 from worker.queue.repair import KeyRepair
@@ -451,7 +452,7 @@ class KilnWorker(SimpleWorker):
     def _snapshot(self) -> Snapshot:
         self.last_heartbeat = now()
         return Snapshot(
-            state=self.get_state(),
+            state=state_name(self.get_state()),
             running=self.get_current_job_id(),
             jobs_done=self.lease.done_jobs,
             working_s=self.lease.working_s,
