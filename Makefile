@@ -1,15 +1,17 @@
 # kiln: `make run` renders a small prompt suite on the tiny models; `make test` runs the suite.
 # Everything installs into .venv. torch: a torch the system Python already has (a GPU box) is
-# kept and used; otherwise $(TORCH) from $(TORCH_INDEX) or PyPI. PyPI's torch on Linux x86_64 is
-# the CUDA build (about 3 GB with its nvidia-* wheels); on macOS it is the CPU/MPS build. For the
-# CPU-only wheel on Linux: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# kept and used; otherwise $(TORCH) from $(TORCH_INDEX) or PyPI. The upscalers load through
+# spandrel, which imports torchvision, so $(TORCH) is a torch with its matching torchvision.
+# PyPI's torch on Linux x86_64 is the CUDA build (about 5.5 GB with its nvidia-* wheels; it runs
+# on a CPU too); on macOS it is the CPU/MPS build. For the CPU-only wheels on Linux:
+# make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 KILN := $(VENV)/bin/kiln
 STAMP := $(VENV)/.kiln-installed
-TORCH ?= torch==2.13.0
+TORCH ?= torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?=
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 
@@ -36,9 +38,13 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(PY) -m pip install -q -e '.[worker,api,dev]'
 	$(PY) -m pip install -q --no-deps 'rq-exporter==3.1.0'
+	@# spandrel without its dependencies: they are torch and torchvision (kept as they are: a
+	@# resolver would swap the user's torch for the newest), and the worker extra's einops,
+	@# safetensors and numpy.
+	$(PY) -m pip install -q --no-deps 'spandrel==0.4.2'
 	@touch $(STAMP)
 
 run: $(STAMP)
