@@ -174,13 +174,15 @@ class KilnClient:
         return request.model_copy(update={"width": found.width, "height": found.height})
 
     def _input_problems(self, request: RenderRequest) -> list[Problem]:
-        """The image and mask read where the client can (uploads, data: URLs): an image, not too
-        big, the job's size (kiln never resizes an input), the mask the image's size."""
+        """The image, mask and control images read where the client can (uploads, data: URLs):
+        an image, not too big, the job's size (kiln never resizes an input), the mask the
+        image's size."""
         problems: list[Problem] = []
         sizes: dict[str, inputs.InputImage] = {}
         stores: list[str] | None = None
-        for name in ("image", "mask"):
-            value = getattr(request, name)
+        given = [("image", request.image), ("mask", request.mask)]
+        given += [(f"controls.{i}.image", c.image) for i, c in enumerate(request.controls or [])]
+        for name, value in given:
             if value is None:
                 continue
             if value.startswith(("s3://", "file://")):
@@ -198,11 +200,12 @@ class KilnClient:
             data = inputs.input_bytes(self.connection, value, name)
             if data is not None:
                 sizes[name] = inputs.inspect_image(data, name, max_bytes=self._max_bytes)
+        for name, found in sizes.items():
+            if name != "mask" and (found.width, found.height) != (request.width, request.height):
+                size = f"{request.width}x{request.height}"
+                rule = f"must be the job's size, {size} (kiln never resizes an input)"
+                problems.append(Problem(name, f"{found.width}x{found.height}", rule))
         image = sizes.get("image")
-        if image is not None and (image.width, image.height) != (request.width, request.height):
-            size = f"{request.width}x{request.height}"
-            rule = f"must be the job's size, {size} (kiln never resizes an input)"
-            problems.append(Problem("image", f"{image.width}x{image.height}", rule))
         if image is not None and "mask" in sizes:
             mismatch = inputs.check_mask(image, sizes["mask"])
             if mismatch is not None:

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from api_client.controls import ControlNetSpec, check_control_names, control_refusal
 from api_client.errors import Problem
 from api_client.loras import LoraSpec, check_lora_names
 from api_client.schema import (
@@ -259,11 +260,26 @@ class Manifest(_Strict):
     loras: dict[str, LoraSpec] = Field(default_factory=dict)
     # Reuse of denoiser work between steps where the family has it (worker.pipelines.step_cache).
     step_cache: StepCacheSpec | None = None
+    # ControlNets a request may name, loaded beside the resident pipeline at a job's first use
+    # (api_client.controls; worker.pipelines.control).
+    controlnets: dict[str, ControlNetSpec] = Field(default_factory=dict)
 
     @field_validator("loras")
     @classmethod
     def _lora_names(cls, loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:
         return check_lora_names(loras)
+
+    @field_validator("controlnets")
+    @classmethod
+    def _controlnets_run_here(
+        cls, controlnets: dict[str, ControlNetSpec], info: ValidationInfo
+    ) -> dict[str, ControlNetSpec]:
+        family = info.data.get("family") or ""
+        edit = "edit" if "edit" in (info.data.get("modes") or ()) else None
+        why = control_refusal(family, edit) if controlnets else None
+        if why is not None:
+            raise ValueError(why)
+        return check_control_names(controlnets)
 
     @field_validator("true_cfg")
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+from api_client.controls import resolve_controls
 from api_client.errors import Problem, RequestRejected, short
 from api_client.loras import resolve_loras
 from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest, partway_refusal
@@ -72,6 +73,9 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         if why is not None:
             problems.append(Problem("step_cache", True, f"model {manifest.id}: {why}"))
     loras = resolve_loras(request.loras, manifest.loras, manifest.id, problems)
+    controls = resolve_controls(
+        request.controls, manifest.controlnets, manifest.id, manifest.family, mode, problems
+    )
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -83,6 +87,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             "mode": None if mode == "txt2img" else mode,
             "strength": strength,
             "loras": loras,
+            "controls": controls,
             "width": width,
             "height": height,
             "seed": seed,

@@ -39,6 +39,7 @@ MAX_IMAGES = 4
 RENDER_FUNC = "worker.queue.render_job"
 WEBHOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_LORAS = 4  # adapters one request may name
+MAX_CONTROLS = 2  # ControlNets one request may name (A1111's and ComfyUI's common stack)
 Priority = Literal["interactive", "batch"]  # a request's lane (api_client/keys.py LANES)
 
 
@@ -49,6 +50,22 @@ class LoraChoice(BaseModel):
 
     name: str
     weight: float | None = None  # None: the manifest's default_weight
+
+
+class ControlChoice(BaseModel):
+    """One ControlNet a request names, from its manifest's controlnets: its control image (an
+    input uri, as img2img's image, the job's size), how strongly it steers (0-2, default 1),
+    the share of the steps it applies over (start, end: default 0 to 1), and what the worker
+    computes from the image first (none: the image is the map; canny: its edges)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    image: str
+    strength: float | None = None
+    start: float | None = None
+    end: float | None = None
+    preprocess: Literal["none", "canny"] | None = None
 
 
 class RenderRequest(BaseModel):
@@ -77,6 +94,8 @@ class RenderRequest(BaseModel):
     strength: float | None = None
     # Adapters from the manifest's loras, each at its weight (default: its default_weight).
     loras: list[LoraChoice] | None = Field(default=None, max_length=MAX_LORAS)
+    # ControlNets from the manifest's controlnets, each with its image (api_client.controls).
+    controls: list[ControlChoice] | None = Field(default=None, max_length=MAX_CONTROLS)
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
@@ -163,6 +182,7 @@ LATER_FIELDS = (
     "loras",
     "priority",
     "step_cache",
+    "controls",
 )
 
 
@@ -235,6 +255,30 @@ class StepCacheReport(BaseModel):
     steps_reused: int = 0
 
 
+class ControlReport(BaseModel):
+    """A control as a job ran it: its ControlNet's name, strength, the share of the steps it
+    applied over, and the worker's preprocess. Its image is an input (image details' inputs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    strength: float
+    start: float
+    end: float
+    preprocess: Literal["none", "canny"]
+
+    @classmethod
+    def of(cls, choice: ControlChoice) -> ControlReport:
+        """A resolved request's control (every default filled in)."""
+        return cls(
+            name=choice.name,
+            strength=float(choice.strength if choice.strength is not None else 1.0),
+            start=float(choice.start or 0.0),
+            end=float(choice.end if choice.end is not None else 1.0),
+            preprocess=choice.preprocess or "none",
+        )
+
+
 class Timings(BaseModel):
     """Seconds per phase; load is 0 when the pipeline was resident."""
 
@@ -271,6 +315,7 @@ class RenderResult(BaseModel):
     started_at: datetime
     finished_at: datetime
     step_cache: StepCacheReport | None = None  # when the job ran with a step cache
+    controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
     # sha256 of the resolved request this answers: a job id reused for another request is never
     # answered with these images (see request_digest).
     request_sha256: str | None = None

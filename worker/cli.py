@@ -119,6 +119,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME[:WEIGHT]",
         help="an adapter the manifest allows, at its default weight or WEIGHT (repeatable)",
     )
+    submit.add_argument(
+        "--control",
+        dest="controls",
+        action="append",
+        type=commands.control_flag,
+        metavar="NAME:PATH[:STRENGTH]",
+        help="a ControlNet the manifest allows, steered by the image at PATH (a local file,"
+        " uploaded, or a kiln-input: uri; the job's size) at STRENGTH 0-2 (default 1);"
+        " repeatable, up to 2",
+    )
+    submit.add_argument(
+        "--control-preprocess",
+        choices=["none", "canny"],
+        help="what the worker computes from each --control image first (default none: the image"
+        " is the map; canny: its edges)",
+    )
     submit.add_argument("--width", type=int)
     submit.add_argument("--height", type=int)
     submit.add_argument("--seed", type=int)

@@ -31,6 +31,16 @@ def lora_flag(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def control_flag(text: str) -> dict[str, Any]:
+    """`submit --control NAME:PATH[:STRENGTH]`, checked as the request will be."""
+    from api_client.controls import parse_control_flag
+
+    try:
+        return parse_control_flag(text).model_dump(exclude_none=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def submit(args: argparse.Namespace) -> int:
     from api_client import RequestRejected
     from api_client.schema import RenderRequest
@@ -44,13 +54,22 @@ def submit(args: argparse.Namespace) -> int:
     client = _client()
     try:
         for field in ("image", "mask"):
-            if field in request and not re.match(r"[a-z][a-z0-9+.-]*:", request[field]):
+            if field in request and not _is_uri(request[field]):
                 request[field] = client.upload(request[field])  # a local file: upload it first
+        for control in request.get("controls", []):
+            if not _is_uri(control["image"]):
+                control["image"] = client.upload(control["image"])
+            if args.control_preprocess is not None:
+                control["preprocess"] = args.control_preprocess
         job = client.submit(request, job_id=args.job_id, at_front=args.front)
     except RequestRejected as exc:
         print(f"kiln submit: {exc}", file=sys.stderr)
         return 2
     return _follow(job, args.model, args)
+
+
+def _is_uri(value: str) -> bool:
+    return re.match(r"[a-z][a-z0-9+.-]*:", value) is not None
 
 
 def replay(args: argparse.Namespace) -> int:

@@ -26,7 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_client.errors import short
 from api_client.schema import (
+    MAX_CONTROLS,
     MAX_LORAS,
+    ControlChoice,
+    ControlReport,
     LoraChoice,
     Mode,
     OutputFormat,
@@ -57,11 +60,12 @@ class LoraWeight(BaseModel):
 
 
 class InputDigest(BaseModel):
-    """An input image of the job (img2img, inpaint, edit), by the request field that carried it."""
+    """An input image of the job (img2img, inpaint, edit, a control's), by the request field that
+    carried it."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    field: Literal["image", "mask"]
+    field: Literal["image", "mask", "controls.0.image", "controls.1.image"]
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -100,6 +104,9 @@ class ImageDetails(BaseModel):
     # The step cache that reused steps for it ("first_block threshold=0.08"); None: every step
     # was computed. A replay pins it either way.
     step_cache: str | None = None
+    # Its controls; each one's image is among the inputs (controls.<i>.image), as given, before
+    # the worker's preprocess.
+    controls: list[ControlReport] = Field(default_factory=list, max_length=MAX_CONTROLS)
 
     def replay_request(self) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
@@ -134,6 +141,18 @@ class ImageDetails(BaseModel):
             rung=self.rung,
             compile=self.compiled,
             step_cache=self.step_cache is not None,
+            controls=[
+                ControlChoice(
+                    name=c.name,
+                    image=uploads.get(f"controls.{i}.image", ""),
+                    strength=c.strength,
+                    start=c.start,
+                    end=c.end,
+                    preprocess=c.preprocess,
+                )
+                for i, c in enumerate(self.controls)
+            ]
+            or None,
         )
 
 
@@ -179,6 +198,7 @@ def image_details(
         mode=request.mode or "txt2img",
         strength=request.strength,
         step_cache=cached,
+        controls=[ControlReport.of(choice) for choice in request.controls or []],
     )
 
 
@@ -228,6 +248,13 @@ def parameters_text(details: ImageDetails) -> str:
         fields.append(("True CFG scale", details.true_cfg))
     if details.step_cache is not None:
         fields.append(("Step cache", details.step_cache))
+    # The layout A1111's ControlNet extension writes, one quoted field per unit.
+    for i, c in enumerate(details.controls):
+        unit = (
+            f"Module: {c.preprocess}, Model: {c.name}, Weight: {c.strength:g},"
+            f" Guidance Start: {c.start:g}, Guidance End: {c.end:g}"
+        )
+        fields.append((f"ControlNet {i}", f'"{unit}"'))
     fields.append(("Version", f"kiln {details.kiln}"))
     # A1111 names each LoRA in the prompt as <lora:name:weight>; readers of its layout (Civitai,
     # image browsers) find the adapters there.

@@ -59,6 +59,9 @@ class Fit:
     # included; a rung named here plans with it instead of the manifest's figures.
     measured: Mapping[str, float] = field(default_factory=dict)
     denoiser: str = "unet"  # the component partial streams (the family's FamilySpec.denoiser)
+    # 16-bit GB of the models a job loads beside the pipeline (its ControlNets), counted at the
+    # rungs whose row holds them on the device through the denoise (RungSpec.beside_share).
+    beside_gb: float = 0.0
 
 
 def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
@@ -74,6 +77,11 @@ def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
         return fit.measured[rung]
     row = rungs.rung_spec(rung)
     scale = 2.0 if fit.fp32 else 1.0
+    return _pipeline_need_gb(manifest, row, fit, scale) + fit.beside_gb * row.beside_share * scale
+
+
+def _pipeline_need_gb(manifest: Manifest, row: rungs.RungSpec, fit: Fit, scale: float) -> float:
+    rung = row.name
     # full has no rung_vram_gb entry (the manifest refuses one): min_vram_gb is its figure.
     declared = manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * row.default_share)
     sizes = manifest.component_gb

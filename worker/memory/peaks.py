@@ -71,12 +71,19 @@ class Shape:
     mode: str
     # A step cache keeps a residual per context (a latent's size each) beside the activations.
     step_cache: bool = False
+    # The ControlNets loaded beside it (their sources, sorted): their weights and activations.
+    controls: tuple[str, ...] = ()
 
     @property
     def field(self) -> str:
         quant = ",".join(f"{c}={s}" for c, s in self.quantized) or "none"
-        cached = "|step_cache" if self.step_cache else ""  # absent: the fields written before
-        return f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}{cached}"
+        # Absent when unused: the fields written before these existed read the same.
+        cached = "|step_cache" if self.step_cache else ""
+        control = f"|controls={','.join(self.controls)}" if self.controls else ""
+        return (
+            f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"
+            f"{cached}{control}"
+        )
 
 
 @dataclass
@@ -279,12 +286,18 @@ def component_bytes(pipe: Any) -> tuple[int, int]:
     """(all components', the largest one's) parameter and buffer bytes, as loaded."""
     import torch
 
-    sizes = []
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            tensors = (*component.parameters(), *component.buffers())
-            sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+    sizes = [
+        module_bytes(component)
+        for component in pipe.components.values()
+        if isinstance(component, torch.nn.Module)
+    ]
     return sum(sizes), max(sizes, default=0)
+
+
+def module_bytes(module: Any) -> int:
+    """One module's parameter and buffer bytes."""
+    tensors = (*module.parameters(), *module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _text(value: bytes | str) -> str:

@@ -32,6 +32,8 @@ class Placeable(Protocol):
 
 # (placeable, the device, whether CUDA copy streams are used) -> the pipeline on its rung.
 Place = Callable[[Placeable, "torch.device", bool], None]
+# (a model loaded beside the pipeline, the device, streams) -> that model on the rung.
+PlaceBeside = Callable[["torch.nn.Module", "torch.device", bool], None]
 # (component -> size, the denoiser's component name) -> component -> the share of it on the device
 # at the rung's peak.
 Holds = Callable[[Mapping[str, float], str], dict[str, float]]
@@ -70,6 +72,12 @@ class RungSpec:
     onloads: bool = False
     # `kiln doctor --profile`'s line for the rung ({streams}: how weights are copied), if any.
     note: str | None = None
+    # A model loaded beside the pipeline for some jobs (a ControlNet: worker.pipelines.control):
+    # how the rung places it, and the share of its weights on the device through the denoise.
+    # Where the row onloads, it is moved on for each denoise and off after, as model offload
+    # moves the denoiser.
+    place_beside: PlaceBeside = lambda module, target, _streams: _beside_resident(module, target)
+    beside_share: float = 1.0
 
 
 def _holds_all(sizes: Mapping[str, float], _denoiser: str) -> dict[str, float]:
@@ -107,6 +115,26 @@ def _place_partial(loaded: Placeable, target: torch.device, streams: bool) -> No
 
 def _place_model_offload(loaded: Placeable, target: torch.device, _streams: bool) -> None:
     loaded.pipe.enable_model_cpu_offload(device=target)
+
+
+def _beside_resident(module: torch.nn.Module, target: torch.device) -> None:
+    module.to(target)
+
+
+def _beside_on_host(module: torch.nn.Module, _target: torch.device, _streams: bool) -> None:
+    module.to("cpu")  # onloaded for each denoise (worker.pipelines.control.onloaded)
+
+
+def _beside_group_offload(module: torch.nn.Module, target: torch.device, streams: bool) -> None:
+    import torch
+
+    module.enable_group_offload(  # type: ignore[operator]
+        onload_device=target,
+        offload_device=torch.device("cpu"),
+        offload_type="leaf_level",
+        use_stream=streams,
+        non_blocking=streams,
+    )
 
 
 def _place_group_offload(loaded: Placeable, target: torch.device, streams: bool) -> None:
@@ -151,6 +179,7 @@ TABLE: tuple[RungSpec, ...] = (
         place=_place_model_offload,
         peak_weights=lambda _weights, largest: largest,
         onloads=True,
+        place_beside=_beside_on_host,
     ),
     RungSpec(
         "group_offload",
@@ -159,6 +188,8 @@ TABLE: tuple[RungSpec, ...] = (
         place=_place_group_offload,
         pinned_streams=True,
         peak_weights=lambda _weights, _largest: 0,
+        place_beside=_beside_group_offload,
+        beside_share=0.0,
         note="leaf level, {streams}",
     ),
 )

@@ -49,6 +49,17 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class ControlFamily:
+    """How a family runs a ControlNet (api_client.controls.CONTROL_MODES: where kiln allows it)."""
+
+    model_class: str  # the diffusers ControlNet model class its checkpoints load as
+    pipelines: dict[str, str]  # mode -> the control pipeline class, derived from the resident one
+    # The pipeline draws from the job's generators before the starting noise (FLUX.1 VAE-samples
+    # its control image): kiln draws the noise first and hands it in (control.initial_latents).
+    noise_first: bool = False
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """How kiln renders one family (api_client.manifest.Family names them)."""
 
@@ -78,6 +89,7 @@ class FamilySpec:
     # Whether the pipeline honours its VAE config's force_upcast (SDXL's; SD1.5's leaves it at
     # its default): an fp16 VAE that sets it is kept in fp32 from load (worker.pipelines.vae).
     vae_upcast: bool = False
+    control: ControlFamily | None = None  # its ControlNet pipelines, where kiln runs them
 
     def load_kwargs(self) -> dict[str, Any]:
         """The family's own from_pretrained arguments."""
@@ -310,6 +322,14 @@ _SD = FamilySpec(
     modes=_modes("StableDiffusion"),
     dropped=("safety_checker",),
     load_options={"requires_safety_checker": False},
+    control=ControlFamily(
+        "ControlNetModel",
+        {
+            "txt2img": "StableDiffusionControlNetPipeline",
+            "img2img": "StableDiffusionControlNetImg2ImgPipeline",
+            "inpaint": "StableDiffusionControlNetInpaintPipeline",
+        },
+    ),
 )
 
 # Adding a family is one entry here, its name in api_client.manifest.Family (and that module's
@@ -341,6 +361,9 @@ SPECS: dict[str, FamilySpec] = {
         denoiser="transformer",
         previews=False,
         modes=_modes("Flux"),
+        control=ControlFamily(
+            "FluxControlNetModel", {"txt2img": "FluxControlNetPipeline"}, noise_first=True
+        ),
     ),
     "flux2": FamilySpec(
         "Flux2KleinPipeline",
@@ -382,7 +405,11 @@ def _kontext_call(width: int, height: int) -> dict[str, Any]:
 # pipeline as the resident one (api_client.manifest.EDIT_MODES: what else it may list).
 EDIT_SPECS: dict[str, FamilySpec] = {
     "flux": replace(
-        SPECS["flux"], pipeline_class="FluxKontextPipeline", modes={}, call=_kontext_call
+        SPECS["flux"],
+        pipeline_class="FluxKontextPipeline",
+        modes={},
+        call=_kontext_call,
+        control=None,
     ),
     # Its encoder reads the input image too (Prompt.image), through Qwen2.5-VL's vision tower;
     # its Qwen2VLProcessor cannot be built without a video processor, which needs torchvision.
@@ -391,6 +418,7 @@ EDIT_SPECS: dict[str, FamilySpec] = {
         pipeline_class="QwenImageEditPipeline",
         modes={},
         requires=("torchvision",),
+        control=None,
     ),
 }
 

@@ -45,8 +45,8 @@ class Fetch:
 
 
 def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
-    """The hub repositories manifest needs (pipeline, vae, taesd, loras); local sources must exist,
-    else FileNotFoundError names the path and the command that builds it."""
+    """The hub repositories manifest needs (pipeline, vae, taesd, loras, controlnets); local
+    sources must exist, else FileNotFoundError names the path and the command that builds it."""
     wanted: list[Fetch] = []
     source = weights_source(manifest, models_dir)
     if not source.local:
@@ -62,7 +62,19 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
         if not where.local:
             files = [lora.weight_name]
             wanted.append(Fetch(manifest.id, lora.source, lora.revision, files, marker=files[0]))
+    checkpoints = {(c.source, c.subfolder, c.revision) for c in manifest.controlnets.values()}
+    for repo, subfolder, revision in sorted(checkpoints, key=str):
+        marker = controlnet_marker(subfolder)
+        if not weights_source(manifest, models_dir, repo, marker=marker).local:
+            prefix = f"{subfolder}/" if subfolder else ""
+            files = [marker, f"{prefix}diffusion_pytorch_model*.safetensors*"]
+            wanted.append(Fetch(manifest.id, repo, revision, files, marker=marker))
     return wanted
+
+
+def controlnet_marker(subfolder: str | None) -> str:
+    """The file a ControlNet checkpoint's folder holds (its config), under its subfolder."""
+    return f"{subfolder}/config.json" if subfolder else "config.json"
 
 
 def _pipeline_fetch(manifest: Manifest, components: list[str] | None = None) -> Fetch:

@@ -21,7 +21,7 @@ from api_client.schema import Rung, SettingsReport
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.partial import PartialSplit
-from worker.memory.peaks import component_bytes
+from worker.memory.peaks import component_bytes, module_bytes
 from worker.memory.rungs import RungSpec, rung_spec
 from worker.pipelines.adapters import AdapterSlots
 from worker.pipelines.families import FamilySpec, spec_for
@@ -56,6 +56,9 @@ class LoadedPipeline:
     adapter_sets: set[frozenset[str]] = field(default_factory=set)  # LoRA sets run, so far
     preview_vae: Any = None  # AutoencoderTiny when taesd_preview applies
     partial: PartialSplit | None = None  # at the partial rung: its denoiser's blocks, split
+    # ControlNets read for its jobs, by checkpoint, placed on its rung (worker.pipelines.control);
+    # dropped with it when it leaves the device: a later job reads them again.
+    controlnets: dict[str, torch.nn.Module] = field(default_factory=dict)
     # False for a pipeline read on the host and never placed (a prefetched one): its rung is
     # the first job's, and any rung's placement fits it (worker.pipelines.loading.place_read).
     placed: bool = True
@@ -82,12 +85,20 @@ class LoadedPipeline:
         device: torch.device = self.pipe._execution_device
         return device
 
-    @functools.cached_property
+    @property
     def weights_bytes(self) -> tuple[int, int]:
-        """(all components', the largest one's) parameter and buffer bytes: what the planner
-        measures a job's peak against. Read once: walking every tensor took 7.3 ms of each
-        tiny-sd15 job (cProfile, bench/RESULTS.md), and a pipeline's weights keep their size for
-        its life in the cache (quantized and given its adapter slots before its first job)."""
+        """(all components' and ControlNets', the largest one's) parameter and buffer bytes: what
+        the planner measures a job's peak against."""
+        weights, largest = self.pipeline_bytes
+        beside = [module_bytes(module) for module in self.controlnets.values()]
+        return weights + sum(beside), max([largest, *beside])
+
+    @functools.cached_property
+    def pipeline_bytes(self) -> tuple[int, int]:
+        """(all components', the largest one's) bytes. Read once: walking every tensor took
+        7.3 ms of each tiny-sd15 job (cProfile, bench/RESULTS.md), and a pipeline's weights keep
+        their size for its life in the cache (quantized and given its adapter slots before its
+        first job)."""
         return component_bytes(self.pipe)
 
     def novelty(
@@ -318,6 +329,7 @@ def _release(loaded: LoadedPipeline) -> None:
     pipe = loaded.pipe
     loaded.pipe = None
     loaded.mode_pipes.clear()  # views of the same modules: dropping them frees nothing else
+    loaded.controlnets.clear()
     if pipe is None:
         return
     remove_hooks(pipe)
@@ -336,9 +348,14 @@ def remove_hooks(pipe: Any) -> None:
 
 
 def _to_host(loaded: LoadedPipeline) -> None:
-    """Hooks off, every module on the host: what the RAM cache keeps."""
+    """Hooks off, every module on the host: what the RAM cache keeps. Its ControlNets are
+    dropped (read again by the next job that names one), with the control pipelines built on
+    them: the cache's bound counts the pipeline alone."""
     remove_hooks(loaded.pipe)
     loaded.pipe.to("cpu")
+    if loaded.controlnets:
+        loaded.controlnets.clear()
+        loaded.mode_pipes = {k: v for k, v in loaded.mode_pipes.items() if "+control" not in k}
 
 
 def _remove_group_offload(module: torch.nn.Module) -> None:

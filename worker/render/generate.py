@@ -22,6 +22,7 @@ from worker.files.store import Store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
+from worker.pipelines import control
 from worker.pipelines.adapters import AdapterRefused
 from worker.pipelines.families import Prompt, cfg_active, decode_preview
 from worker.pipelines.resident import LoadedPipeline
@@ -29,6 +30,7 @@ from worker.pipelines.step_cache import StepCache, StepCacheDecision
 from worker.pipelines.switches import preview_steps
 from worker.pipelines.vae import tiled
 from worker.render.context import JobContext
+from worker.render.inputs import JobInputs
 from worker.render.timings import PartialBlocks, Stopwatch, TimingRecord
 
 log = logging.getLogger(__name__)
@@ -58,15 +60,19 @@ def generate(
     info: DeviceInfo,
     faults: FaultPlan,
     store: Store,
-    sources: dict[str, Image.Image] | None = None,
+    inputs: JobInputs | None = None,
     decode: DecodeRules = decode_once,
     step_cache: StepCacheDecision | None = None,
+    controlnets: list[torch.nn.Module] | None = None,
 ) -> tuple[list[Image.Image], LoadedPipeline]:
-    """sources: img2img's, inpaint's and edit's inputs as the pipeline takes them (image,
-    mask_image); step_cache: the job's (worker.pipelines.step_cache), None for none. Returns the
-    images and the pipeline that decoded them (decode's)."""
+    """inputs: img2img's, inpaint's and edit's images as the pipeline takes them (image,
+    mask_image) and the job's controls, whose ControlNets (control.attach) are controlnets;
+    step_cache: the job's (worker.pipelines.step_cache), None for none. Returns the images and
+    the pipeline that decoded them (decode's)."""
     mode, rung = request.mode or "txt2img", loaded.rung
-    pipe = loaded.pipe_for(mode)
+    inputs = inputs or JobInputs()
+    sources, controls, beside = inputs.sources, inputs.controls, controlnets or []
+    pipe = control.control_pipe(loaded, mode, beside) if controls else loaded.pipe_for(mode)
     family = loaded.spec
     steps, guidance = denoising_steps(request), float(request.guidance or 0.0)
     count, seed = request.num_images, int(request.seed or 0)
@@ -84,7 +90,7 @@ def generate(
         ctx.progress("text_encode", 0, steps)
         faults.check("text_encode", rung)
         cfg = cfg_active(loaded.manifest.family, guidance, request.true_cfg)
-        edited = (sources or {}).get("image") if mode == "edit" else None
+        edited = sources.get("image") if mode == "edit" else None
         prompt = Prompt(
             request.prompt,
             request.negative_prompt,
@@ -130,10 +136,16 @@ def generate(
             "callback_on_step_end": on_step,
             **family.call(*shape[:2]),
         }
-        call.update(sources or {})
+        call.update(sources)
         if request.strength is not None:  # img2img and inpaint; edit has none
             call["strength"] = request.strength
-        with cache if cache is not None else nullcontext():
+        if controls:
+            call.update(control.call_arguments(pipe, controls))
+            if family.control is not None and family.control.noise_first:
+                call["latents"] = control.initial_latents(
+                    loaded, embeds, count, *shape[:2], generators
+                )
+        with cache if cache is not None else nullcontext(), control.onloaded(loaded, beside):
             latents = pipe(**_accepted(pipe, call)).images
         if pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the
@@ -142,7 +154,7 @@ def generate(
 
     loaded.warm_shapes.add(shape)  # the denoiser has run this shape, whatever decode does
     loaded.cfg_seen.add(cfg)
-    loaded.modes_seen.add(mode)
+    loaded.modes_seen.add(control.mode_key(mode, controls))
 
     # 3. Decode latents to pixels; out of memory keeps the latents for the decode rules.
     def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:

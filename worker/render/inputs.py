@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from api_client.connection import connect
 from api_client.errors import short
@@ -37,11 +37,14 @@ from worker.files.details import InputDigest
 from worker.files.local import LocalStore
 from worker.files.s3 import S3Store
 from worker.files.store import Store
+from worker.pipelines import control
+from worker.pipelines.control import Control
 
 if TYPE_CHECKING:
     from PIL import Image
     from redis import Redis
 
+    from api_client.manifest import Manifest
     from api_client.schema import RenderRequest
     from worker.settings import Settings
 
@@ -225,24 +228,47 @@ class InputReader:
     def redis(self) -> Redis:
         return connect(self.settings.redis_url)
 
-    def read(
-        self, request: RenderRequest, store: Store
-    ) -> tuple[dict[str, Image.Image], list[InputDigest]]:
-        """The inputs as the pipeline takes them (image, mask_image), and each one's sha256."""
-        if request.image is None:
-            return {}, []
-        image = load_input(request.image, self.redis, store, self.settings)
-        if image.image.size != (request.width, request.height):
-            width, height = image.image.size
-            raise InputUnavailable(
-                f"image {short(request.image)}: is {width}x{height}, not the job's size"
-                f" {request.width}x{request.height} (kiln never resizes an input)"
-            )
-        sources = {"image": image.image}
-        inputs = [InputDigest(field="image", sha256=image.sha256)]
+    def read(self, request: RenderRequest, manifest: Manifest, store: Store) -> JobInputs:
+        """The inputs as the pipeline takes them (image, mask_image), the controls with their
+        images preprocessed, and each input's sha256."""
+        read = JobInputs()
+        if request.image is not None:
+            image = self._sized(request, request.image, "image", store)
+            read.sources["image"] = image.image
+            read.digests.append(InputDigest(field="image", sha256=image.sha256))
         if request.mask is not None:
             mask = load_input(request.mask, self.redis, store, self.settings, field="mask")
-            check_mask_size(image.image, mask.image, request.mask)
-            sources["mask_image"] = mask.image
-            inputs.append(InputDigest(field="mask", sha256=mask.sha256))
-        return sources, inputs
+            check_mask_size(read.sources["image"], mask.image, request.mask)
+            read.sources["mask_image"] = mask.image
+            read.digests.append(InputDigest(field="mask", sha256=mask.sha256))
+        for index, choice in enumerate(request.controls or []):
+            field: ControlField = "controls.0.image" if index == 0 else "controls.1.image"
+            given = self._sized(request, choice.image, field, store)
+            ready = control.preprocess(given.image, choice.preprocess)
+            read.controls.append(Control(choice, manifest.controlnets[choice.name], ready))
+            read.digests.append(InputDigest(field=field, sha256=given.sha256))
+        return read
+
+    def _sized(self, request: RenderRequest, uri: str, field: str, store: Store) -> LoadedInput:
+        """An RGB input that must be the job's size (kiln never resizes one)."""
+        loaded = load_input(uri, self.redis, store, self.settings, field=field)
+        if loaded.image.size != (request.width, request.height):
+            width, height = loaded.image.size
+            raise InputUnavailable(
+                f"{field} {short(uri)}: is {width}x{height}, not the job's size"
+                f" {request.width}x{request.height} (kiln never resizes an input)"
+            )
+        return loaded
+
+
+ControlField = Literal["controls.0.image", "controls.1.image"]
+
+
+@dataclass
+class JobInputs:
+    """What the inputs step read for a job: the pipeline's own inputs (image, mask_image), its
+    controls ready for the ControlNets, and every input's sha256 for the image details."""
+
+    sources: dict[str, Image.Image] = field(default_factory=dict)
+    controls: list[Control] = field(default_factory=list)
+    digests: list[InputDigest] = field(default_factory=list)

@@ -28,7 +28,7 @@ from worker.memory.ladder import (
     usable_gb,
 )
 from worker.memory.peaks import Peak, PeakBook, Shape, card_kind, lowest_need_gb
-from worker.pipelines import step_cache
+from worker.pipelines import control, step_cache
 from worker.pipelines.loading import choose_dtype, fit_for
 from worker.pipelines.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
 from worker.pipelines.switches import compile_plan
@@ -94,7 +94,7 @@ class Planner:
         return RungChoice(rung, f"pinned by the request (rung={rung})")
 
     def _worker_rung(self, manifest: Manifest, request: RenderRequest) -> RungChoice:
-        fit = fit_for(manifest, self.info, self.settings)
+        fit = self.fit(manifest, request)
         # What this card kind measured for the job's shape replaces the manifest's figures.
         fit = dataclasses.replace(fit, measured=self.peaks.needs_gb(self._shape(request, fit)))
         if self.settings.memory_mode != "auto":
@@ -145,6 +145,12 @@ class Planner:
         over = "; ".join(f"{model} needs {need:.2f} GB" for model, need in needs.items())
         return f"waiting for memory: {room:.2f} GB usable, and {over} at its lowest rung"
 
+    def fit(self, manifest: Manifest, request: RenderRequest) -> Fit:
+        """How this card holds the model's weights for this job: fit_for, with the job's
+        ControlNets beside the pipeline."""
+        fit = fit_for(manifest, self.info, self.settings)
+        return dataclasses.replace(fit, beside_gb=control.beside_gb(manifest, request))
+
     def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
         """What a job's memory depends on besides its rung (worker.memory.peaks)."""
         manifest = self.manifests[request.model]
@@ -156,6 +162,7 @@ class Planner:
             quantized=tuple(sorted(fit.quantized.items())),
             mode=request.mode or "txt2img",
             step_cache=step_cache.decide(manifest, self.settings, request).spec is not None,
+            controls=control.sources(manifest, request),
         )
 
     @functools.cached_property
@@ -211,9 +218,9 @@ class Planner:
 
     # -- room for a load ----------------------------------------------------------------------
 
-    def make_room(self, manifest: Manifest, rung: Rung) -> None:
-        """Evict least recently used pipelines until this rung's estimate fits."""
-        need = int(rung_need_gb(manifest, rung, fit_for(manifest, self.info, self.settings)) * GB)
+    def make_room(self, manifest: Manifest, rung: Rung, request: RenderRequest) -> None:
+        """Evict least recently used pipelines until this rung's estimate for the job fits."""
+        need = int(rung_need_gb(manifest, rung, self.fit(manifest, request)) * GB)
         free_now = int(self.usable_gb(reclaim=False) * GB)
         evicted = self.cache.evict_beyond(self.settings.max_resident, keep=manifest.id)
         evicted += self.cache.evict_lru_until(need, free_now, keep=manifest.id)

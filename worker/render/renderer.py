@@ -34,7 +34,7 @@ from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
 from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
-from worker.pipelines import step_cache
+from worker.pipelines import control, step_cache
 from worker.pipelines.compile import graphs_compiled
 from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
 from worker.pipelines.families import cfg_active
@@ -45,7 +45,7 @@ from worker.pipelines.step_cache import StepCacheDecision
 from worker.pipelines.switches import compile_fell_back
 from worker.render.context import JobContext
 from worker.render.generate import DecodeRules, apply_loras, generate
-from worker.render.inputs import InputReader
+from worker.render.inputs import InputReader, JobInputs
 from worker.render.placement import Planner
 from worker.render.timings import Stopwatch, TimingRecord, emit
 from worker.settings import Settings, WebhookTarget, check_target, parse_targets
@@ -66,7 +66,7 @@ class JobRun:
     ladder: Ladder
     watch: Stopwatch
     record: TimingRecord
-    sources: dict[str, Image.Image]  # img2img's, inpaint's and edit's inputs, for the pipe
+    inputs: JobInputs  # img2img's, inpaint's, edit's and the controls' images
     step_cache: StepCacheDecision  # whether its denoise reuses steps, and why
 
     @property
@@ -148,14 +148,14 @@ class Renderer:
             if done is not None:
                 record = TimingRecord.from_result(done, answered_by=self.worker_name)
                 return done
-            # 4. An img2img or inpaint job's inputs, read and checked (sha256, format, size)
-            #    before anything is loaded or evicted for it.
-            sources, inputs = self.inputs.read(request, self.store)
+            # 4. An img2img, inpaint or controlled job's inputs, read and checked (sha256,
+            #    format, size) and preprocessed before anything is loaded or evicted for it.
+            inputs = self.inputs.read(request, self.manifests[request.model], self.store)
             # 5. A rung: the request's pin (a replay's, a pinned ladder that never descends),
             #    else the planner's. A cancel or a lost lease is taken at every phase boundary
             #    as well as at every denoising step.
             _checkpoint(ctx, "before loading")
-            job = self._plan(request, ctx, watch, record, sources)
+            job = self._plan(request, ctx, watch, record, inputs)
             with _named_pin(request, job.manifest.id, record.attempts):
                 # 6. Load: the resident pipeline if it serves the job, else a load.
                 crash_point("load")
@@ -171,7 +171,7 @@ class Renderer:
             with watch.phase("image_encode"):
                 device = self.info.torch_device
                 encoded = output.encode_images(
-                    images, request, loaded, inputs, device, record.step_cache
+                    images, request, loaded, inputs.digests, device, record.step_cache
                 )
             ctx.confirm()
             # 9. Save the images, then result.json last, as the mark of a complete job.
@@ -210,7 +210,7 @@ class Renderer:
         ctx: JobContext,
         watch: Stopwatch,
         record: TimingRecord,
-        sources: dict[str, Image.Image],
+        inputs: JobInputs,
     ) -> JobRun:
         """The job's rung, ladder and step cache; a compile pin its rung cannot honour, or a step
         cache this worker switched off, fails here."""
@@ -220,7 +220,7 @@ class Renderer:
         choice = self.planner.choose_rung(manifest, request)
         record.rung_reason = choice.reason
         record.planned_from = "measured" if choice.measured else "declared"
-        return JobRun(ctx, request, manifest, choice, ladder, watch, record, sources, cache)
+        return JobRun(ctx, request, manifest, choice, ladder, watch, record, inputs, cache)
 
     # -- 6. load --------------------------------------------------------------------------------
 
@@ -238,7 +238,7 @@ class Renderer:
             # pipelines evicted for it go into the RAM cache too, and must not push it out.
             self.prefetcher.wait_for(manifest.id)
             kept = self.cache.ram.take(manifest.id)
-            self.planner.make_room(manifest, at)
+            self.planner.make_room(manifest, at, job.request)
             # What a partial load splits its blocks by: memory now, and full's measured need.
             room = (self.planner.usable_gb(reclaim=False), job.choice.full_need_gb)
             pin = job.pin
@@ -301,7 +301,12 @@ class Renderer:
             cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
             size = (request.width or 0, request.height or 0)
             loras = apply_loras(loaded, request, watch, record, self.info.streams)
-            mode = request.mode or "txt2img"
+            controls = job.inputs.controls
+            beside = []
+            if controls:  # the ControlNets are the load's: read once, kept with the pipeline
+                with watch.phase("load"):
+                    beside = control.attach(loaded, controls, self.info, self.settings.models_dir)
+            mode = control.mode_key(request.mode or "txt2img", controls)
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
             # A job that uses no adapter runs the denoiser without its LoRA slots.
@@ -318,9 +323,10 @@ class Renderer:
                         info=self.info,
                         faults=self.faults,
                         store=self.store,
-                        sources=job.sources,
+                        inputs=job.inputs,
                         decode=decode,
                         step_cache=job.step_cache,
+                        controlnets=beside,
                     )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from api_client.errors import MESSAGE_LIMIT, short
 from api_client.schema import (
     Attempt,
+    ControlReport,
     ImageFile,
     LoraChoice,
     RenderRequest,
@@ -141,6 +142,7 @@ class TimingRecord(BaseModel):
     compile_s: float = 0.0
     compile_source: Literal["cold", "local", "fleet"] | None = None
     step_cache: StepCacheReport | None = None  # what the job's step cache computed and reused
+    controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
@@ -168,6 +170,7 @@ class TimingRecord(BaseModel):
         for name in REQUEST_FIELDS:
             setattr(self, name, getattr(request, name))
         self.mode = request.mode or "txt2img"
+        self.controls = [ControlReport.of(choice) for choice in request.controls or []]
 
     def ran_on(self, loaded: LoadedPipeline) -> None:
         """The pipeline this try runs on, and after decode the one that decoded (a lower rung's

@@ -22,6 +22,7 @@ from diffusers import DiffusionPipeline
 from transformers.utils import logging as transformers_logging
 
 from worker.pipelines.tiny.components import seeded, taesd
+from worker.pipelines.tiny.controlnet import save_tiny_controlnets
 from worker.pipelines.tiny.flux import flux, flux_kontext
 from worker.pipelines.tiny.flux2 import flux2
 from worker.pipelines.tiny.lora import save_tiny_loras
@@ -40,8 +41,9 @@ __all__ = [
 
 # Bump whenever a config, tokenizer or seed changes: existing builds are then replaced.
 # 2: a tiny TAESD in <pipeline>/taesd for previews. 3: flux, flux2, qwenimage and zimage.
-# 4: two tiny LoRAs in <pipeline>/loras (worker.pipelines.tiny.lora).
-BUILDER_VERSION: Final = 4
+# 4: two tiny LoRAs in <pipeline>/loras (worker.pipelines.tiny.lora). 5: tiny ControlNets in
+# <pipeline>/controlnets for sd15 and flux (worker.pipelines.tiny.controlnet).
+BUILDER_VERSION: Final = 5
 STAMP_FILE: Final = "kiln_tiny.json"
 
 _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
@@ -109,6 +111,9 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
             pipe.save_pretrained(tmp, safe_serialization=True)
             if family in TAESD_LATENTS:
                 _save_taesd(tmp / "taesd", family)
+            # Before the LoRAs: making them leaves peft's wrappers on the denoiser, and SD's
+            # ControlNet copies the UNet's own weights.
+            save_tiny_controlnets(pipe, family, tmp / "controlnets")
             save_tiny_loras(pipe, tmp / "loras")
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,323 @@
+"""ControlNet per job (#30 item 1): a manifest's controlnets, a request's controls (up to two,
+each with its image, strength, share of steps and preprocess), loaded beside the resident
+pipeline and placed by its rung, through a real worker on tiny-sd15 and tiny-flux. strength 0
+renders the same pixels as no control; refusals name field, value and rule; the control's image
+travels with the image's details so a replay finds it."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+from redis import Redis
+
+from api_client import RenderFailed, RequestRejected
+from api_client.controls import parse_control_flag
+from api_client.manifest import Manifest
+from api_client.schema import RenderRequest
+from tests.conftest import kiln
+from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
+from tests.test_modes import mask_png, pixels, png
+from worker.files.details import read_details
+from worker.pipelines.control import canny
+
+
+def square_png(size: tuple[int, int] = (128, 128)) -> bytes:
+    """A white square on black: its Canny edges are the square's outline."""
+    image = Image.new("RGB", size, (0, 0, 0))
+    image.paste((255, 255, 255), (32, 32, 96, 96))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a fox", "steps": 3, "seed": 7}
+
+
+def test_a_control_steers_the_render_and_strength_0_is_no_control(
+    redis_conn: Redis, settings: Any
+) -> None:
+    client = client_for(redis_conn, settings)
+    edges, other = client.upload(square_png()), client.upload(png(seed=3))
+    plain = client.submit(BASE)
+    off = client.submit({**BASE, "controls": [{"name": "canny", "image": edges, "strength": 0.0}]})
+    on = client.submit({**BASE, "controls": [{"name": "canny", "image": edges}]})
+    half = client.submit({**BASE, "controls": [{"name": "canny", "image": edges, "end": 0.5}]})
+    found = client.submit(
+        {**BASE, "controls": [{"name": "canny", "image": other, "preprocess": "canny"}]}
+    )
+    given = client.submit({**BASE, "controls": [{"name": "canny", "image": other}]})
+    both = client.submit(
+        {
+            **BASE,
+            "controls": [
+                {"name": "canny", "image": edges},
+                {"name": "depth", "image": other, "strength": 0.5},
+            ],
+        }
+    )
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    jobs = (plain, off, on, half, found, given, both)
+    shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
+    assert np.array_equal(shown[0], shown[1]), "strength 0 must render what no control renders"
+    for index in range(2, len(jobs)):
+        assert not np.array_equal(shown[0], shown[index]), f"job {index} ignored its control"
+    assert not np.array_equal(shown[2], shown[3]), "end 0.5 must differ from the whole schedule"
+    assert not np.array_equal(shown[4], shown[5]), "canny preprocess must change what it reads"
+    by_id = {r.job_id: r for r in records(settings.timings_log)}
+    record = by_id[both.id]
+    assert record.status == "done"
+    assert [(c.name, c.strength, c.start, c.end) for c in record.controls] == [
+        ("canny", 1.0, 0.0, 1.0),
+        ("depth", 0.5, 0.0, 1.0),
+    ]
+    assert by_id[found.id].controls[0].preprocess == "canny"
+    assert both.wait(timeout=5).controls == record.controls
+    # The ControlNets were read once, by the first job that named each: the load phase.
+    assert by_id[on.id].timings.load < by_id[off.id].timings.load + 5
+
+
+def test_flux_controls_in_txt2img_and_strength_0_is_no_control(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """FLUX.1's control pipeline VAE-samples its control image from the job's generators: kiln
+    draws the starting noise first, so the noise is the same with or without a control."""
+    client = client_for(redis_conn, settings)
+    edges = client.upload(square_png())
+    base = {"model": "tiny-flux", "prompt": "a fox", "steps": 3, "seed": 2, "num_images": 2}
+    plain = client.submit(base)
+    off = client.submit({**base, "controls": [{"name": "canny", "image": edges, "strength": 0}]})
+    on = client.submit({**base, "controls": [{"name": "canny", "image": edges}]})
+    burst(redis_conn, make_renderer(settings, ["tiny-flux"]), ["tiny-flux"])
+    results = [job.wait(timeout=5) for job in (plain, off, on)]
+    for index in range(2):
+        shown = [pixels(result.images[index].path) for result in results]
+        assert np.array_equal(shown[0], shown[1])
+        assert not np.array_equal(shown[0], shown[2])
+
+
+def test_a_control_in_img2img_and_inpaint_and_at_an_offload_rung(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """sd15's control pipelines for img2img and inpaint; at model_offload the ControlNet is on
+    the device for the denoise only, and renders what it renders at full."""
+    client = client_for(redis_conn, settings)
+    source, mask, edges = (
+        client.upload(png()),
+        client.upload(mask_png()),
+        client.upload(square_png()),
+    )
+    control = [{"name": "canny", "image": edges}]
+    jobs = [
+        client.submit({**BASE, "image": source, "strength": 0.6}),
+        client.submit({**BASE, "image": source, "strength": 0.6, "controls": control}),
+        client.submit({**BASE, "image": source, "mask": mask, "controls": control}),
+        client.submit({**BASE, "controls": control, "rung": "full"}),
+        client.submit({**BASE, "controls": control, "rung": "model_offload"}),
+    ]
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
+    assert not np.array_equal(shown[0], shown[1])
+    by_id = {r.job_id: r for r in records(settings.timings_log)}
+    assert by_id[jobs[2].id].mode == "inpaint" and by_id[jobs[2].id].controls
+    assert by_id[jobs[4].id].rung == "model_offload"
+    assert np.abs(shown[3] - shown[4]).max() <= 1  # offload hooks change no math, on a CPU
+
+
+def test_controls_are_refused_naming_field_value_and_rule(redis_conn: Redis, settings: Any) -> None:
+    client = client_for(redis_conn, settings)
+    edges, small = client.upload(square_png()), client.upload(png((64, 64)))
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"controls": [{"name": "pose", "image": edges}]}, "controls.0.name", "canny, depth"),
+        (
+            {"controls": [{"name": "canny", "image": edges}, {"name": "canny", "image": edges}]},
+            "controls.1.name",
+            "named twice",
+        ),
+        ({"controls": [{"name": "canny", "image": edges, "strength": 2.5}]}, "strength", "0 and 2"),
+        (
+            {"controls": [{"name": "canny", "image": edges, "start": 0.6, "end": 0.4}]},
+            "start",
+            "below end",
+        ),
+        (
+            {"controls": [{"name": "canny", "image": edges, "end": 1.5}]},
+            "controls.0.end",
+            "0 and 1",
+        ),
+        (
+            {"controls": [{"name": "depth", "image": edges, "preprocess": "canny"}]},
+            "controls.0.preprocess",
+            "depth one",
+        ),
+        ({"controls": [{"name": "canny", "image": small}]}, "controls.0.image", "job's size"),
+        (
+            {"controls": [{"name": "canny", "image": "http://example.com/a.png"}]},
+            "controls.0.image",
+            "",
+        ),
+    ]
+    for extra, field, words in cases:
+        with pytest.raises(RequestRejected) as caught:
+            client.submit({**BASE, **extra})
+        text = str(caught.value)
+        assert field in text and words in text, text
+    with pytest.raises(RequestRejected, match=r"controls.*tiny-sdxl's manifest allows no"):
+        client.submit(
+            {**BASE, "model": "tiny-sdxl", "controls": [{"name": "canny", "image": edges}]}
+        )
+    with pytest.raises(RequestRejected, match="flux takes a control in txt2img only"):
+        client.submit(
+            {
+                "model": "tiny-flux",
+                "prompt": "a fox",
+                "image": client.upload(png()),
+                "controls": [{"name": "canny", "image": edges}],
+            }
+        )
+    three = [{"name": "canny", "image": edges}] * 3
+    with pytest.raises(RequestRejected, match="controls"):
+        client.submit({**BASE, "controls": three})
+
+
+def test_the_worker_checks_a_control_image_again(redis_conn: Redis, settings: Any) -> None:
+    """A producer that skips the client's checks: the worker reads the control image itself and
+    fails the job naming the field and the size."""
+    client = client_for(redis_conn, settings)
+    small = client.upload(png((64, 64)))
+    job_id = enqueue_raw(
+        redis_conn,
+        "tiny-sd15",
+        {"request": {**BASE, "controls": [{"name": "canny", "image": small}]}},
+    )
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    with pytest.raises(RenderFailed, match=r"controls.0.image .*is 64x64, not the job's size"):
+        client.job(job_id).wait(timeout=5)
+
+
+def test_a_controlled_image_carries_its_controls_and_replays(
+    redis_conn: Redis, settings: Any
+) -> None:
+    client = client_for(redis_conn, settings)
+    edges = client.upload(png(seed=9))
+    request = {
+        **BASE,
+        "controls": [{"name": "canny", "image": edges, "strength": 0.7, "preprocess": "canny"}],
+    }
+    first = client.submit(request)
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    path = first.wait(timeout=5).images[0].path
+    assert path is not None
+    details = read_details(Path(path))
+    assert [c.name for c in details.controls] == ["canny"]
+    assert any(i.field == "controls.0.image" for i in details.inputs)
+    with Image.open(path) as image:
+        assert 'ControlNet 0: "Module: canny, Model: canny, Weight: 0.7' in image.text["parameters"]
+    replay = details.replay_request()
+    assert replay.controls is not None and replay.controls[0].image == edges
+    again = client.submit(replay.model_dump(exclude_none=True))
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    assert np.array_equal(pixels(again.wait(timeout=5).images[0].path), pixels(path))
+
+
+def test_manifests_refuse_controlnets_where_the_family_has_none() -> None:
+    base = {
+        "id": "m",
+        "source": "x",
+        "steps": {"default": 4, "max": 8},
+        "guidance": {"default": 1.0, "max": 2.0},
+        "resolutions": [[128, 128]],
+        "min_vram_gb": 1,
+        "controlnets": {"canny": {"source": "c", "kind": "canny"}},
+    }
+    for family, words in (
+        ("flux2", "FLUX.2 klein has no ControlNet"),
+        ("sdxl", "StableDiffusionXLControlNetUnionPipeline"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            Manifest.model_validate({**base, "family": family})
+    kontext = {**base, "family": "flux", "modes": ["txt2img", "edit"]}
+    with pytest.raises(ValidationError, match="edit model's pipeline takes no ControlNet"):
+        Manifest.model_validate(kontext)
+    with pytest.raises(ValidationError, match="controlnet name"):
+        Manifest.model_validate(
+            {
+                **base,
+                "family": "sd15",
+                "controlnets": {"Bad Name": {"source": "c", "kind": "canny"}},
+            }
+        )
+    assert Manifest.model_validate({**base, "family": "sd15"}).controlnets["canny"].kind == "canny"
+
+
+def test_the_submit_flag_spells_a_control() -> None:
+    assert parse_control_flag("canny:/tmp/a.png").model_dump(exclude_none=True) == {
+        "name": "canny",
+        "image": "/tmp/a.png",
+    }
+    assert parse_control_flag("canny:/tmp/a.png:0.5").strength == 0.5
+    assert parse_control_flag("canny:C:/x.png").image == "C:/x.png"
+    for bad in ("canny", "canny:", ":a.png"):
+        with pytest.raises(ValueError, match="NAME:PATH"):
+            parse_control_flag(bad)
+    with pytest.raises(RequestRejected, match=r"controls.0.image.*Field required"):
+        RenderRequest.parse({**BASE, "controls": [{"name": "canny"}]})
+
+
+def test_canny_finds_the_outline_of_a_square_one_pixel_wide() -> None:
+    edges = np.asarray(canny(Image.open(io.BytesIO(square_png()))).convert("L")) > 0
+    assert edges.shape == (128, 128)
+    rows, cols = np.nonzero(edges)
+    # Every edge pixel lies on the square's border (within a pixel of it), none inside or out.
+    on_border = (
+        (np.abs(rows - 32) <= 1)
+        | (np.abs(rows - 95) <= 1)
+        | (np.abs(cols - 32) <= 1)
+        | (np.abs(cols - 95) <= 1)
+    )
+    assert on_border.all()
+    assert not edges[40:88, 40:88].any() and not edges[:24].any()
+    # Thin: each side is one line, not the two-pixel-wide band the raw gradient marks.
+    assert edges[64, 20:44].sum() == 1 and edges[20:44, 64].sum() == 1
+    # Flat images have no edges; noise well under the low threshold none either.
+    assert not (np.asarray(canny(Image.new("RGB", (64, 64), (90, 90, 90)))) > 0).any()
+
+
+def test_kiln_submit_uploads_a_control_image_and_queues_its_control(
+    kiln_env: dict[str, str], redis_conn: Redis, tmp_path: Path
+) -> None:
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    edges = tmp_path / "edges.png"
+    edges.write_bytes(square_png())
+    flags = ("--control", f"canny:{edges}:0.5", "--control-preprocess", "canny", "--json")
+    queued = kiln("submit", "a fox", "--model", "tiny-sd15", *flags, env=kiln_env)
+    assert queued.returncode == 0, queued.stderr
+    stored = Job.fetch(
+        json.loads(queued.stdout)["job_id"], connection=redis_conn, serializer=JSONSerializer
+    )
+    [control] = stored.kwargs["request"]["controls"]
+    assert control["image"].startswith("kiln-input:") and control["strength"] == 0.5
+    assert control["preprocess"] == "canny"
+    refused = kiln("submit", "a fox", "--model", "tiny-sd15", "--control", "canny", env=kiln_env)
+    assert refused.returncode == 2 and "NAME:PATH" in refused.stderr
+
+
+def test_kiln_pull_fetches_a_union_controlnet_once(tmp_path: Path) -> None:
+    from api_client.manifest import load_manifest_file
+    from tests.conftest import MANIFESTS
+    from worker.pipelines.pull import fetches
+
+    manifest = load_manifest_file(MANIFESTS / "flux1-dev.yaml")
+    assert len(manifest.controlnets) == 4  # canny, tile, depth, pose: one checkpoint
+    union = [f for f in fetches(manifest, tmp_path) if "Controlnet-Union" in f.repo]
+    assert [f.allow_patterns for f in union] == [
+        ["config.json", "diffusion_pytorch_model*.safetensors*"]
+    ]
