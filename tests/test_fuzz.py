@@ -95,6 +95,24 @@ plausible = {
     "compile": st.sampled_from([None, True, False, "on", 1]),
     "priority": st.sampled_from([None, "interactive", "batch", "urgent", ""]),
     "step_cache": st.sampled_from([None, True, False, "on", 1]),
+    "controls": st.one_of(
+        st.none(),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "name": st.sampled_from(["canny", "depth", "nope", ""]),
+                    "image": st.sampled_from(IMAGE_REFS),
+                },
+                optional={
+                    "strength": st.floats(min_value=-1, max_value=3),
+                    "start": st.floats(min_value=-0.5, max_value=1.5),
+                    "end": st.floats(min_value=-0.5, max_value=1.5),
+                    "preprocess": st.sampled_from(["none", "canny", "depth", ""]),
+                },
+            ),
+            max_size=3,
+        ),
+    ),
 }
 
 

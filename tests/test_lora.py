@@ -268,7 +268,7 @@ def test_a_pull_fetches_a_hub_adapter_file_and_skips_a_local_one(settings: Any) 
     flux = load_manifests(settings.manifests, ["flux1-dev"])["flux1-dev"]
     hub = LoraSpec(source="someone/flux-detail", weight_name="detail.safetensors", max_rank=16)
     local = LoraSpec(source=str(settings.models_dir / "tiny-flux/loras/detail"), max_rank=4)
-    manifest = flux.model_copy(update={"loras": {"detail": hub, "local": local}})
+    manifest = flux.model_copy(update={"loras": {"detail": hub, "local": local}, "controlnets": {}})
     [_pipeline, adapter] = fetches(manifest, settings.models_dir)
     assert (adapter.repo, adapter.allow_patterns) == ("someone/flux-detail", ["detail.safetensors"])
     assert adapter.marker == "detail.safetensors"

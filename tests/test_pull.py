@@ -101,8 +101,9 @@ def selected(fetch: Any, files: list[str] = SDXL_FILES) -> list[str]:
 
 def test_a_flux_pull_takes_every_shard_and_no_single_file_checkpoint(settings: Any) -> None:
     flux = load_manifests(settings.manifests, ["flux1-dev"])["flux1-dev"]
-    [pipeline] = fetches(flux, settings.models_dir)
+    [pipeline, controlnet] = fetches(flux, settings.models_dir)
     assert pipeline.repo == "black-forest-labs/FLUX.1-dev"
+    assert controlnet.repo == "InstantX/FLUX.1-dev-Controlnet-Union"  # its four kinds, once
     taken = selected(pipeline, FLUX_FILES)
     assert taken == [f for f in FLUX_FILES if "/" in f or f == "model_index.json"]
     # A Qwen3 tokenizer keeps its chat template beside its config (FLUX.2 klein, Z-Image).

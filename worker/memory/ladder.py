@@ -71,29 +71,25 @@ def rung_need_gb(manifest: Manifest, rung: Rung, fit: Fit = Fit()) -> float:
 
     With component_gb, the figures are split into the weights a rung holds on the device (its
     row's holds: every component at full, the largest one at model_offload, ...) and the working
-    memory beside them; each held component then counts at its own size (quantized: the
-    scheme's bytes) and only the rest scales with fp32."""
+    memory beside them; each held component at its own size (quantized: the scheme's bytes),
+    the rest scaled for fp32; a job's ControlNets (fit.beside_gb) where the row holds them."""
     if rung in fit.measured:
         return fit.measured[rung]
     row = rungs.rung_spec(rung)
     scale = 2.0 if fit.fp32 else 1.0
-    return _pipeline_need_gb(manifest, row, fit, scale) + fit.beside_gb * row.beside_share * scale
-
-
-def _pipeline_need_gb(manifest: Manifest, row: rungs.RungSpec, fit: Fit, scale: float) -> float:
-    rung = row.name
+    beside = fit.beside_gb * row.beside_share * scale  # a job's ControlNets, where held
     # full has no rung_vram_gb entry (the manifest refuses one): min_vram_gb is its figure.
     declared = manifest.rung_vram_gb.get(rung, manifest.min_vram_gb * row.default_share)
     sizes = manifest.component_gb
     if not sizes:
-        return declared * scale
+        return declared * scale + beside
     held = row.holds(sizes, fit.denoiser)
     working = max(declared - sum(sizes[c] * share for c, share in held.items()), 0.0)
     weights = sum(
         sizes[c] * share * (SIZE_VS_16BIT[fit.quantized[c]] if c in fit.quantized else scale)
         for c, share in held.items()
     )
-    return working * scale + weights
+    return working * scale + weights + beside
 
 
 @dataclass(frozen=True)
