@@ -23,7 +23,7 @@ from api_client.eta import fit_key, live_workers, read_fits, taken_first
 from api_client.fetch import fetch_image
 from api_client.job import KilnJob
 from api_client.manifest import Manifest, load_manifest_dir, manifest_dirs
-from api_client.resolve import check_servable, resolve_request
+from api_client.resolve import check_servable, check_upscaler, resolve_request
 from api_client.schema import (
     RENDER_FUNC,
     ImageFile,
@@ -142,8 +142,10 @@ class KilnClient:
     def validate(self, request: RenderRequest | dict[str, Any]) -> RenderRequest:
         """The request with defaults filled in, or RequestRejected naming every broken rule."""
         parsed = RenderRequest.parse(request)
-        manifest = check_servable(parsed, self.manifests())
+        manifests = self.manifests()
+        manifest = check_servable(parsed, manifests)
         resolved = resolve_request(self._sized_by_image(parsed), manifest)
+        check_upscaler(resolved, manifests)
         problems = self._input_problems(resolved)
         if problems:
             raise RequestRejected(problems, model=resolved.model)

@@ -25,26 +25,45 @@ PREPROCESSORS: tuple[str, ...] = ("none", "canny")
 MAX_STRENGTH = 2.0  # A1111's and ComfyUI's slider ends; past it a control burns the image
 
 # Families and modes kiln runs a ControlNet on, with diffusers 0.42's pipelines for each
-# (worker.pipelines.families: FamilySpec.control).
+# (worker.pipelines.families: FamilySpec.control). A mode is listed where diffusers has its
+# control pipeline and a control at strength 0 renders what no control renders.
 CONTROL_MODES: dict[str, tuple[str, ...]] = {
     "sd15": ("txt2img", "img2img", "inpaint"),
     "sd2": ("txt2img", "img2img", "inpaint"),  # SD 2.x ControlNets run in the same pipelines
+    # Union ControlNets (StableDiffusionXLControlNetUnion*Pipeline) in all three modes.
+    "sdxl": ("txt2img", "img2img", "inpaint"),
     # FluxControlNetImg2Img/Inpaint draw the control image's VAE sample from the job's generator
     # before the input's noise, so a control, even at strength 0, would change the noise: until
     # kiln draws that noise itself for them, FLUX.1 takes a control in txt2img only.
     "flux": ("txt2img",),
+    # diffusers has no SD3 ControlNet img2img; StableDiffusion3ControlNetInpaintingPipeline is an
+    # inpainting ControlNet's (the masked image is its control image), with no image or strength.
+    "sd3": ("txt2img",),
+    # No Qwen-Image ControlNet img2img; QwenImageControlNetInpaintPipeline, like SD3's, runs an
+    # inpainting ControlNet on a control image and control mask, with no image or strength.
+    "qwenimage": ("txt2img",),
+    # No Z-Image ControlNet img2img; ZImageControlNetInpaintPipeline feeds the masked image and
+    # the mask to the ControlNet (33 input channels, Fun-Controlnet-Union 2.x's) and takes no
+    # strength: another checkpoint's task, not kiln's inpaint.
+    "zimage": ("txt2img",),
 }
 NO_CONTROL: dict[str, str] = {
     "flux2": "FLUX.2 klein has no ControlNet (none published for it, none in diffusers 0.42)",
-    **{
-        f: f"kiln does not run {f}'s ControlNet pipeline yet ({cls} exists in diffusers 0.42)"
-        for f, cls in (
-            ("sdxl", "StableDiffusionXLControlNetUnionPipeline"),
-            ("sd3", "StableDiffusion3ControlNetPipeline"),
-            ("qwenimage", "QwenImageControlNetPipeline"),
-            ("zimage", "ZImageControlNetPipeline"),
-        )
-    },
+}
+# Families whose ControlNet kiln loads as a union model (ControlNetUnionModel): each manifest
+# entry gives the mode its checkpoint's card lists for its kind.
+UNION_FAMILIES: frozenset[str] = frozenset({"sdxl"})
+# Families whose control pipeline takes one ControlNet and one image, and why.
+ONE_CONTROL: dict[str, str] = {
+    "qwenimage": (
+        "QwenImageControlNetPipeline runs one ControlNet (its multi-ControlNet is one union"
+        " checkpoint over several images, not several checkpoints)"
+    ),
+    "zimage": "ZImageControlNetPipeline takes one ZImageControlNetModel",
+}
+# Families whose control pipeline applies a control over every step, and why.
+WHOLE_SCHEDULE: dict[str, str] = {
+    "zimage": "ZImageControlNetPipeline's call takes no control_guidance_start or end",
 }
 
 
@@ -67,13 +86,30 @@ class ControlNetSpec(BaseModel):
     license: str | None = None  # the checkpoint's own, where it differs from the base model's
 
 
-def check_control_names(controlnets: dict[str, ControlNetSpec]) -> dict[str, ControlNetSpec]:
-    for name in controlnets:
+def check_control_names(
+    controlnets: dict[str, ControlNetSpec], family: str | None = None
+) -> dict[str, ControlNetSpec]:
+    """The manifest's entries, or ValueError naming the first whose name, or whose fit to the
+    family's ControlNet (entry_refusal), breaks a rule."""
+    for name, spec in controlnets.items():
         if not CONTROL_NAME.fullmatch(name):
             raise ValueError(
                 f"controlnet name {name!r} must be 1-64 lowercase letters, digits, '.', '_' or '-'"
             )
+        why = entry_refusal(family, spec) if family is not None else None
+        if why is not None:
+            raise ValueError(f"controlnets.{name}: {why}")
     return controlnets
+
+
+def entry_refusal(family: str, spec: ControlNetSpec) -> str | None:
+    """Why a manifest entry cannot run on its family's ControlNet pipeline, or None."""
+    if family in UNION_FAMILIES and spec.union_mode is None:
+        return (
+            f"union_mode=None: family {family}'s ControlNet is a union model, so each entry gives"
+            " its kind's mode index from the checkpoint's card"
+        )
+    return None
 
 
 def control_refusal(family: str, mode: str | None = None) -> str | None:
@@ -113,6 +149,10 @@ def resolve_controls(
     if why is not None:
         problems.append(Problem("controls", f"mode {mode}", why))
         return None
+    if len(choices) > 1 and family in ONE_CONTROL:
+        rule = f"family {family} takes one control: {ONE_CONTROL[family]}"
+        problems.append(Problem("controls", f"{len(choices)} controls", rule))
+        return None
     resolved: list[ControlChoice] = []
     seen: set[str] = set()
     for index, choice in enumerate(choices):
@@ -127,6 +167,9 @@ def resolve_controls(
             continue
         seen.add(choice.name)
         before = len(problems)
+        why = entry_refusal(family, spec)
+        if why is not None:
+            problems.append(Problem(f"{field}.name", choice.name, f"model {model}'s entry: {why}"))
         try:
             parse_ref(choice.image, f"{field}.image")
         except InputRefused as exc:
@@ -144,6 +187,11 @@ def resolve_controls(
         if math.isfinite(start) and math.isfinite(end) and start >= end:
             rule = f"must be below end ({end:g}): the control applies from start to end"
             problems.append(Problem(f"{field}.start", start, rule))
+        if family in WHOLE_SCHEDULE:
+            for name, value, whole in (("start", start, 0.0), ("end", end, 1.0)):
+                if value != whole:
+                    rule = f"must be {whole:g} on family {family}: {WHOLE_SCHEDULE[family]}"
+                    problems.append(Problem(f"{field}.{name}", value, rule))
         preprocess = choice.preprocess or "none"
         if preprocess == "canny" and spec.kind != "canny":
             rule = f"canny edges feed a canny ControlNet; {choice.name} is a {spec.kind} one"
@@ -184,6 +232,7 @@ __all__ = [
     "MAX_CONTROLS",
     "ControlNetSpec",
     "control_refusal",
+    "entry_refusal",
     "parse_control_flag",
     "resolve_controls",
 ]

@@ -30,7 +30,7 @@ from api_client.schema import (
     Rung,
 )
 
-Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
+Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage", "upscaler"]
 Scheduler = Literal[
     "dpmsolver",
     "euler",
@@ -65,6 +65,7 @@ GRID: dict[str, int] = {
     "flux2": 16,
     "qwenimage": 16,
     "zimage": 16,
+    "upscaler": 1,  # an image of any size within its resolutions: no latent grid
 }
 
 
@@ -74,6 +75,7 @@ FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
     **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "zimage")},
     **{f: ("txt2img", "img2img", "inpaint", "edit") for f in ("flux", "qwenimage")},
     "flux2": ("txt2img",),
+    "upscaler": ("upscale",),
 }
 # edit is an edit model's own checkpoint (FLUX.1 Kontext, Qwen-Image-Edit) whose pipeline class is
 # the resident one, so a manifest that lists edit lists only what that pipeline renders: Kontext
@@ -217,6 +219,44 @@ def partway_refusal(spec: FirstBlockCache | MagCache, mode: str | None) -> str |
     return None
 
 
+class UpscalerSpec(_Strict):
+    """An upscaler's file and how it runs (family upscaler; worker.pipelines.upscale): the
+    weights spandrel reads (.safetensors or .pth, in the source's directory or hub repository),
+    the scale it was trained at (checked against what spandrel finds), and the tile size and
+    overlap it runs large images in (input pixels; out of memory halves the tile)."""
+
+    file: str = Field(min_length=1, pattern=r"^[^\\]+\.(safetensors|pth|pt|ckpt)$")
+    scale: int = Field(ge=1, le=8)
+    tile: int = Field(default=512, ge=64, le=4096)
+    overlap: int = Field(default=32, ge=0, le=256)
+
+    @field_validator("file")
+    @classmethod
+    def _inside_its_source(cls, name: str) -> str:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"{name!r} must name a file inside the source, not outside it")
+        return name
+
+
+# What a manifest of family upscaler may not set: the fields of a diffusion pipeline.
+DIFFUSION_ONLY = (
+    "scheduler",
+    "true_cfg",
+    "max_sequence_length",
+    "component_gb",
+    "quantize",
+    "taesd",
+    "vae",
+    "loras",
+    "step_cache",
+    "controlnets",
+)
+# An upscaler runs one forward pass over the image and is guided by nothing: its steps and
+# guidance, which every manifest has, are these, and a request may not set either.
+UPSCALER_STEPS = {"default": 1, "max": 1}
+UPSCALER_GUIDANCE = {"default": 0.0, "max": 0.0}
+
+
 class Manifest(_Strict):
     """One model: where its weights live, what a request may ask of it, how to fit it on a card."""
 
@@ -263,6 +303,35 @@ class Manifest(_Strict):
     # ControlNets a request may name, loaded beside the resident pipeline at a job's first use
     # (api_client.controls; worker.pipelines.control).
     controlnets: dict[str, ControlNetSpec] = Field(default_factory=dict)
+    # family upscaler: its file, scale and tiles (mode upscale, and a hires pass's upscaler).
+    upscaler: UpscalerSpec | None = None
+    # The weights' licence where a user must know it (an upscaler's own, a ControlNet's).
+    license: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upscaler_defaults(cls, data: Any) -> Any:
+        """An upscaler's steps, guidance and modes are fixed (one pass, no guidance, upscale);
+        the fields of a diffusion pipeline are refused on it, naming each."""
+        if not isinstance(data, dict) or data.get("family") != "upscaler":
+            return data
+        present = [name for name in DIFFUSION_ONLY if data.get(name)]
+        if present:
+            raise ValueError(
+                f"{', '.join(present)}: a diffusion pipeline's fields; an upscaler has none"
+            )
+        filled = {"steps": UPSCALER_STEPS, "guidance": UPSCALER_GUIDANCE, "modes": ["upscale"]}
+        return {**filled, **data}
+
+    @model_validator(mode="after")
+    def _upscaler_entry(self) -> Manifest:
+        if (self.family == "upscaler") != (self.upscaler is not None):
+            raise ValueError(
+                "family upscaler needs an upscaler entry ({file, scale})"
+                if self.upscaler is None
+                else f"upscaler: family {self.family} is a diffusion pipeline, not an upscaler"
+            )
+        return self
 
     @field_validator("loras")
     @classmethod
@@ -279,7 +348,7 @@ class Manifest(_Strict):
         why = control_refusal(family, edit) if controlnets else None
         if why is not None:
             raise ValueError(why)
-        return check_control_names(controlnets)
+        return check_control_names(controlnets, family)
 
     @field_validator("true_cfg")
     @classmethod

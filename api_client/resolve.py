@@ -11,7 +11,13 @@ from api_client.controls import resolve_controls
 from api_client.errors import Problem, RequestRejected, short
 from api_client.loras import resolve_loras
 from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest, partway_refusal
-from api_client.schema import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SEED, RenderRequest
+from api_client.schema import (
+    MAX_IMAGES,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    HiresRequest,
+    RenderRequest,
+)
 
 
 def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest:
@@ -23,6 +29,8 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         raise RequestRejected(
             [Problem("model", request.model, f"does not match manifest {manifest.id!r}")]
         )
+    if manifest.family == "upscaler":
+        return _resolve_upscale(request, manifest)
     problems: list[Problem] = []
     steps = manifest.steps.default if request.steps is None else request.steps
     guidance = manifest.guidance.default if request.guidance is None else request.guidance
@@ -76,6 +84,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     controls = resolve_controls(
         request.controls, manifest.controlnets, manifest.id, manifest.family, mode, problems
     )
+    hires = _hires(request, manifest, mode, steps, (width, height), problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -88,6 +97,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             "strength": strength,
             "loras": loras,
             "controls": controls,
+            "hires": hires,
             "width": width,
             "height": height,
             "seed": seed,
@@ -137,6 +147,151 @@ def _mode(
         rule = f"with {steps} steps re-noises {steps * strength:g} of them; needs at least 1"
         problems.append(Problem("strength", strength, rule))
     return mode, float(strength)
+
+
+# Families whose img2img pipeline takes latents as its image (a hires pass's "latent" upscaler):
+# SD's, SDXL's and SD3's as they are, FLUX.1's unpacked (worker.pipelines.hires).
+LATENT_HIRES_FAMILIES = ("sd15", "sd2", "sdxl", "sd3", "flux")
+MAX_HIRES_SCALE = 4.0
+DEFAULT_HIRES_STRENGTH = 0.5  # ComfyUI's hires workflows' denoise; A1111's default is 0.7
+
+
+def _hires(
+    request: RenderRequest,
+    manifest: Manifest,
+    mode: str,
+    steps: int,
+    size: tuple[int, int],
+    problems: list[Problem],
+) -> HiresRequest | None:
+    """The hires pass with its defaults filled in; problems name each break. Whether a named
+    upscaler is served is check_upscaler's (it needs every manifest)."""
+    from api_client.manifest import GRID
+
+    hires = request.hires
+    if hires is None:
+        return None
+    if mode != "txt2img":
+        problems.append(Problem("hires", f"mode {mode}", "a hires pass follows txt2img only"))
+        return None
+    if "img2img" not in manifest.modes:
+        rule = f"its second pass is img2img, which model {manifest.id}'s modes do not list"
+        problems.append(Problem("hires", manifest.id, rule))
+        return None
+    before = len(problems)
+    scale, grid = hires.scale, GRID[manifest.family]
+    if not math.isfinite(scale) or not 1 < scale <= MAX_HIRES_SCALE:
+        rule = f"must be above 1 and at most {MAX_HIRES_SCALE:g}"
+        problems.append(Problem("hires.scale", scale, rule))
+    else:
+        final = [side * scale for side in size]
+        if any(not side.is_integer() or side % grid for side in final):
+            rule = (
+                f"{size[0]}x{size[1]} times {scale:g} is {final[0]:g}x{final[1]:g}; both sides"
+                f" must land on the {manifest.family} grid of {grid} px"
+            )
+            problems.append(Problem("hires.scale", scale, rule))
+    strength = DEFAULT_HIRES_STRENGTH if hires.strength is None else hires.strength
+    second = steps if hires.steps is None else hires.steps
+    if not math.isfinite(strength) or not 0 < strength <= 1:
+        problems.append(Problem("hires.strength", strength, "must be above 0 and at most 1"))
+    elif not 1 <= second <= manifest.steps.max:
+        rule = f"must be between 1 and {manifest.steps.max} (manifest max)"
+        problems.append(Problem("hires.steps", second, rule))
+    elif int(second * strength) < 1:
+        rule = f"with {second} steps re-noises {second * strength:g} of them; needs at least 1"
+        problems.append(Problem("hires.strength", strength, rule))
+    upscaler = hires.upscaler or "latent"
+    if upscaler == "latent" and manifest.family not in LATENT_HIRES_FAMILIES:
+        rule = (
+            f"family {manifest.family}'s img2img takes no latents; name an upscaler manifest"
+            f" (latent upscaling: {', '.join(LATENT_HIRES_FAMILIES)})"
+        )
+        problems.append(Problem("hires.upscaler", upscaler, rule))
+    if len(problems) > before:
+        return None
+    return HiresRequest(
+        scale=float(scale), strength=float(strength), steps=second, upscaler=upscaler
+    )
+
+
+def hires_size(request: RenderRequest) -> tuple[int, int]:
+    """A resolved hires request's final size (its scale of the request's, on the grid)."""
+    assert request.hires is not None and request.width and request.height
+    scale = request.hires.scale
+    return round(request.width * scale), round(request.height * scale)
+
+
+def check_upscaler(request: RenderRequest, manifests: dict[str, Manifest]) -> None:
+    """RequestRejected unless a hires pass's named upscaler is an upscaler manifest here."""
+    upscaler = request.hires.upscaler if request.hires is not None else None
+    if upscaler in (None, "latent"):
+        return
+    found = manifests.get(upscaler or "")
+    if found is None or found.family != "upscaler":
+        known = sorted(m.id for m in manifests.values() if m.family == "upscaler")
+        rule = f"must be latent or an upscaler manifest: {', '.join(known) or 'none served'}"
+        raise RequestRejected([Problem("hires.upscaler", upscaler, rule)], model=request.model)
+
+
+def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderRequest:
+    """An upscaler's request: its image, at one of its resolutions, one image out, and nothing a
+    diffusion request sets (a replay's pins excepted: rung full, compile and step cache off)."""
+    from api_client.inputs import InputRefused, parse_ref
+
+    problems: list[Problem] = []
+    mode = request.mode or "upscale"
+    if mode != "upscale":
+        rule = f"must be upscale (model {manifest.id} is an upscaler)"
+        problems.append(Problem("mode", mode, rule))
+    if request.image is None:
+        problems.append(Problem("image", None, "mode upscale needs an image"))
+    else:
+        try:
+            parse_ref(request.image, "image")
+        except InputRefused as exc:
+            problems.append(exc.problem)
+    unused = {
+        "prompt": bool(request.prompt),
+        "negative_prompt": bool(request.negative_prompt),
+        "steps": request.steps not in (None, manifest.steps.default),
+        "guidance": request.guidance not in (None, manifest.guidance.default),
+        "true_cfg": request.true_cfg is not None,
+        "mask": request.mask is not None,
+        "strength": request.strength is not None,
+        "loras": bool(request.loras),
+        "controls": bool(request.controls),
+        "hires": request.hires is not None,
+        "previews": request.previews,
+        "rung": request.rung not in (None, "full"),
+        "compile": bool(request.compile),
+        "step_cache": bool(request.step_cache),
+    }
+    for field, given in unused.items():
+        if given:
+            value = short(getattr(request, field), 60)
+            problems.append(Problem(field, value, f"mode upscale takes no {field}"))
+    width, height = request.width, request.height
+    if width is None or height is None:
+        width, height = manifest.default_size
+    if (width, height) not in {tuple(size) for size in manifest.resolutions}:
+        allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
+        problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
+    if request.num_images != 1:
+        rule = "must be 1: an upscale makes one image of one"
+        problems.append(Problem("num_images", request.num_images, rule))
+    if problems:
+        raise RequestRejected(problems, model=manifest.id)
+    return request.model_copy(
+        update={
+            "mode": "upscale",
+            "steps": manifest.steps.default,
+            "guidance": manifest.guidance.default,
+            "seed": 0,  # an upscaler draws no noise
+            "width": width,
+            "height": height,
+        }
+    )
 
 
 def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:

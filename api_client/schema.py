@@ -19,13 +19,15 @@ PHASES: tuple[str, ...] = (
     "text_encode",
     "denoise",
     "decode",
+    "upscale",
     "image_encode",
     "save",
     "total",
 )
 # What a request asks of its model: from a prompt alone, from an input image, into a mask's
 # white area of one, or an instruction edit (FLUX.1 Kontext, Qwen-Image-Edit; not served yet).
-Mode = Literal["txt2img", "img2img", "inpaint", "edit"]
+# upscale: an upscaler manifest's one mode, an image made its scale times larger.
+Mode = Literal["txt2img", "img2img", "inpaint", "edit", "upscale"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 # The memory ladder's rungs, best first: declared here once, for the worker and the client.
 # partial: as many denoiser blocks resident as fit, the rest streamed (worker/partial.py).
@@ -68,13 +70,26 @@ class ControlChoice(BaseModel):
     preprocess: Literal["none", "canny"] | None = None
 
 
+class HiresRequest(BaseModel):
+    """A hires pass (A1111's hires fix): the image rendered at the request's size, made scale
+    times larger by an upscaler manifest's model (or its latents, upscaler "latent"), then run
+    through img2img at that size with strength and steps, on the same resident pipeline."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    scale: float
+    strength: float | None = None  # default 0.5
+    steps: int | None = None  # default: the request's steps
+    upscaler: str | None = None  # an upscaler manifest's id, or "latent" (the default)
+
+
 class RenderRequest(BaseModel):
     """One image job. Fields left as None take the manifest's defaults."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     model: str
-    prompt: str
+    prompt: str = ""  # every mode needs one but upscale
     negative_prompt: str = ""
     steps: int | None = None
     guidance: float | None = None
@@ -96,6 +111,8 @@ class RenderRequest(BaseModel):
     loras: list[LoraChoice] | None = Field(default=None, max_length=MAX_LORAS)
     # ControlNets from the manifest's controlnets, each with its image (api_client.controls).
     controls: list[ControlChoice] | None = Field(default=None, max_length=MAX_CONTROLS)
+    # A second, larger pass after the first (HiresRequest).
+    hires: HiresRequest | None = None
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
@@ -183,6 +200,7 @@ LATER_FIELDS = (
     "priority",
     "step_cache",
     "controls",
+    "hires",
 )
 
 
@@ -287,6 +305,7 @@ class Timings(BaseModel):
     text_encode: float = 0.0
     denoise: float = 0.0
     decode: float = 0.0
+    upscale: float = 0.0  # an upscaler's pass (mode upscale, a hires pass's upscaler)
     image_encode: float = 0.0
     save: float = 0.0
     total: float = 0.0
@@ -316,6 +335,8 @@ class RenderResult(BaseModel):
     finished_at: datetime
     step_cache: StepCacheReport | None = None  # when the job ran with a step cache
     controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
+    # Denoising passes: 2 after a hires pass (its second pass adds to denoise and decode).
+    passes: int = 1
     # sha256 of the resolved request this answers: a job id reused for another request is never
     # answered with these images (see request_digest).
     request_sha256: str | None = None

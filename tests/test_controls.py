@@ -1,8 +1,9 @@
 """ControlNet per job (#30 item 1): a manifest's controlnets, a request's controls (up to two,
 each with its image, strength, share of steps and preprocess), loaded beside the resident
-pipeline and placed by its rung, through a real worker on tiny-sd15 and tiny-flux. strength 0
-renders the same pixels as no control; refusals name field, value and rule; the control's image
-travels with the image's details so a replay finds it."""
+pipeline and placed by its rung, through a real worker on every tiny family that has one (sd15,
+sdxl's union, sd3, flux, qwenimage, zimage). strength 0 renders the same pixels as no control;
+refusals name field, value and rule; the control's image travels with the image's details so a
+replay finds it."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ from pydantic import ValidationError
 from redis import Redis
 
 from api_client import RenderFailed, RequestRejected
-from api_client.controls import parse_control_flag
+from api_client.controls import (
+    ControlNetSpec,
+    check_control_names,
+    parse_control_flag,
+    resolve_controls,
+)
+from api_client.errors import Problem
 from api_client.manifest import Manifest
-from api_client.schema import RenderRequest
+from api_client.schema import ControlChoice, RenderRequest
 from tests.conftest import kiln
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from tests.test_modes import mask_png, pixels, png
@@ -102,6 +109,80 @@ def test_flux_controls_in_txt2img_and_strength_0_is_no_control(
         assert not np.array_equal(shown[0], shown[2])
 
 
+def test_sdxl_union_controls_in_every_mode_and_strength_0_is_no_control(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """SDXL's union pipelines in txt2img, img2img and inpaint, the mode index from the entry;
+    two entries on one union checkpoint stack."""
+    client = client_for(redis_conn, settings)
+    edges, source, mask = (
+        client.upload(square_png()),
+        client.upload(png()),
+        client.upload(mask_png()),
+    )
+    base = {"model": "tiny-sdxl", "prompt": "a fox", "steps": 3, "seed": 4}
+    modes: list[dict[str, Any]] = [
+        {},
+        {"image": source, "strength": 0.7},
+        {"image": source, "mask": mask},
+    ]
+    jobs = []
+    for extra in modes:
+        for controls in (
+            None,
+            [{"name": "canny", "image": edges, "strength": 0.0}],
+            [{"name": "canny", "image": edges}],
+        ):
+            jobs.append(client.submit({**base, **extra, "controls": controls}))
+    depth = {"name": "depth", "image": client.upload(png(seed=5)), "strength": 0.5}
+    both = client.submit({**base, "controls": [{"name": "canny", "image": edges}, depth]})
+    burst(redis_conn, make_renderer(settings, ["tiny-sdxl"]), ["tiny-sdxl"])
+    shown = [pixels(job.wait(timeout=5).images[0].path) for job in (*jobs, both)]
+    for mode, first in zip(("txt2img", "img2img", "inpaint"), range(0, 9, 3), strict=True):
+        plain, off, on = shown[first : first + 3]
+        assert np.array_equal(plain, off), f"{mode}: strength 0 must render what no control renders"
+        assert not np.array_equal(plain, on), f"{mode}: the control was ignored"
+    assert not np.array_equal(shown[2], shown[9]), "the second control was ignored"
+    by_id = {r.job_id: r for r in records(settings.timings_log)}
+    assert [c.name for c in by_id[both.id].controls] == ["canny", "depth"]
+    assert [by_id[job.id].mode for job in jobs[::3]] == ["txt2img", "img2img", "inpaint"]
+
+
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [
+        ("tiny-sd3", {}),
+        # Qwen-Image's control pipeline draws from the job's generators before the noise: kiln
+        # draws each image's noise first (two images: one generator each).
+        ("tiny-qwenimage", {"num_images": 2}),
+        ("tiny-zimage", {}),
+    ],
+)
+def test_a_transformer_family_steers_with_a_control_and_repeats_it(
+    redis_conn: Redis, settings: Any, model: str, extra: dict[str, Any]
+) -> None:
+    """strength 0 renders what no control renders, strength 1 differs, and the same controlled
+    job renders the same pixels again: SD3's pipeline VAE-samples its control image from torch's
+    global RNG, which kiln seeds from the job's seed for the call (control.seeded_call)."""
+    client = client_for(redis_conn, settings)
+    edges = client.upload(square_png())
+    base = {"model": model, "prompt": "a fox", "steps": 2, "seed": 5, **extra}
+    control = {"name": "canny", "image": edges}
+    jobs = [
+        client.submit(base),
+        client.submit({**base, "controls": [{**control, "strength": 0.0}]}),
+        client.submit({**base, "controls": [control]}),
+        client.submit({**base, "controls": [control]}),
+    ]
+    burst(redis_conn, make_renderer(settings, [model]), [model])
+    results = [job.wait(timeout=5) for job in jobs]
+    for index in range(len(results[0].images)):
+        plain, off, on, again = (pixels(result.images[index].path) for result in results)
+        assert np.array_equal(plain, off), "strength 0 must render what no control renders"
+        assert not np.array_equal(plain, on), "the control was ignored"
+        assert np.array_equal(on, again), "the same controlled job must render the same pixels"
+
+
 def test_a_control_in_img2img_and_inpaint_and_at_an_offload_rung(
     redis_conn: Redis, settings: Any
 ) -> None:
@@ -168,17 +249,34 @@ def test_controls_are_refused_naming_field_value_and_rule(redis_conn: Redis, set
             client.submit({**BASE, **extra})
         text = str(caught.value)
         assert field in text and words in text, text
-    with pytest.raises(RequestRejected, match=r"controls.*tiny-sdxl's manifest allows no"):
+    with pytest.raises(RequestRejected, match=r"controls.*tiny-flux2's manifest allows no"):
         client.submit(
-            {**BASE, "model": "tiny-sdxl", "controls": [{"name": "canny", "image": edges}]}
+            {**BASE, "model": "tiny-flux2", "controls": [{"name": "canny", "image": edges}]}
         )
-    with pytest.raises(RequestRejected, match="flux takes a control in txt2img only"):
+    source = client.upload(png())
+    for model in ("tiny-flux", "tiny-sd3", "tiny-qwenimage", "tiny-zimage"):
+        family = model.removeprefix("tiny-")
+        with pytest.raises(RequestRejected, match=f"{family} takes a control in txt2img only"):
+            client.submit(
+                {
+                    "model": model,
+                    "prompt": "a fox",
+                    "image": source,
+                    "controls": [{"name": "canny", "image": edges}],
+                }
+            )
+    zimage = {**BASE, "model": "tiny-zimage"}
+    for field, value, words in (("start", 0.2, "must be 0 on"), ("end", 0.5, "must be 1 on")):
+        with pytest.raises(RequestRejected) as caught:
+            client.submit({**zimage, "controls": [{"name": "canny", "image": edges, field: value}]})
+        text = str(caught.value)
+        assert f"controls.0.{field}" in text and words in text and "control_guidance" in text, text
+    with pytest.raises(RequestRejected, match="qwenimage takes one control"):
         client.submit(
             {
-                "model": "tiny-flux",
-                "prompt": "a fox",
-                "image": client.upload(png()),
-                "controls": [{"name": "canny", "image": edges}],
+                **BASE,
+                "model": "tiny-qwenimage",
+                "controls": [{"name": "canny", "image": edges}] * 2,
             }
         )
     three = [{"name": "canny", "image": edges}] * 3
@@ -236,12 +334,8 @@ def test_manifests_refuse_controlnets_where_the_family_has_none() -> None:
         "min_vram_gb": 1,
         "controlnets": {"canny": {"source": "c", "kind": "canny"}},
     }
-    for family, words in (
-        ("flux2", "FLUX.2 klein has no ControlNet"),
-        ("sdxl", "StableDiffusionXLControlNetUnionPipeline"),
-    ):
-        with pytest.raises(ValidationError, match=words):
-            Manifest.model_validate({**base, "family": family})
+    with pytest.raises(ValidationError, match=r"FLUX\.2 klein has no ControlNet"):
+        Manifest.model_validate({**base, "family": "flux2"})
     kontext = {**base, "family": "flux", "modes": ["txt2img", "edit"]}
     with pytest.raises(ValidationError, match="edit model's pipeline takes no ControlNet"):
         Manifest.model_validate(kontext)
@@ -254,6 +348,22 @@ def test_manifests_refuse_controlnets_where_the_family_has_none() -> None:
             }
         )
     assert Manifest.model_validate({**base, "family": "sd15"}).controlnets["canny"].kind == "canny"
+
+
+def test_a_union_family_needs_each_entry_s_mode() -> None:
+    """SDXL's ControlNet is a union model: an entry without union_mode is refused by the
+    manifest's check given the family, and where a request names it, naming entry and rule."""
+    entries = {"canny": ControlNetSpec(source="c", kind="canny")}
+    with pytest.raises(ValueError, match=r"controlnets.canny: union_mode=None: family sdxl"):
+        check_control_names(entries, "sdxl")
+    assert check_control_names(entries, "sd3") == entries
+    problems: list[Problem] = []
+    choice = ControlChoice(name="canny", image="kiln-input:" + "a" * 64)
+    assert resolve_controls([choice], entries, "m", "sdxl", "txt2img", problems) == []
+    [problem] = problems
+    assert problem.field == "controls.0.name" and "union model" in problem.rule
+    with_mode = {"canny": ControlNetSpec(source="c", kind="canny", union_mode=3)}
+    assert check_control_names(with_mode, "sdxl") == with_mode
 
 
 def test_the_submit_flag_spells_a_control() -> None:
@@ -319,5 +429,10 @@ def test_kiln_pull_fetches_a_union_controlnet_once(tmp_path: Path) -> None:
     assert len(manifest.controlnets) == 4  # canny, tile, depth, pose: one checkpoint
     union = [f for f in fetches(manifest, tmp_path) if "Controlnet-Union" in f.repo]
     assert [f.allow_patterns for f in union] == [
-        ["config.json", "diffusion_pytorch_model*.safetensors*"]
+        [
+            "config.json",
+            "diffusion_pytorch_model.safetensors",
+            "diffusion_pytorch_model-*",
+            "diffusion_pytorch_model.safetensors.index.json",
+        ]
     ]

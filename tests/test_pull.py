@@ -116,7 +116,8 @@ def test_a_pull_takes_only_the_variant_of_the_components_the_pipeline_loads(
     settings: Any,
 ) -> None:
     sdxl = load_manifests(settings.manifests, ["sdxl-base"])["sdxl-base"]
-    [pipeline, taesd] = fetches(sdxl, settings.models_dir)
+    [pipeline, taesd, union] = fetches(sdxl, settings.models_dir)
+    assert union.repo == "xinsir/controlnet-union-sdxl-1.0"
     assert (pipeline.repo, taesd.repo) == (sdxl.source, "madebyollin/taesdxl")
     assert taesd.allow_patterns == ["config.json", "diffusion_pytorch_model.safetensors"]
     # Before model_index.json is read: every folder, fp16 weights only, no top-level checkpoint.

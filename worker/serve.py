@@ -209,6 +209,8 @@ def warm(renderer: Any, models: list[str], worker_name: str) -> None:
     start = uuid.uuid4().hex[:8]
     for model_id in models:
         manifest = renderer.manifests[model_id]
+        if manifest.family == "upscaler":
+            continue  # no prompt to warm with; its load is a file of tens of MB
         for width, height in manifest.resolutions:
             request = {
                 "model": model_id,

@@ -40,7 +40,7 @@ from api_client.schema import (
 from worker.errors import CannotReplay
 
 if TYPE_CHECKING:
-    from worker.pipelines.resident import LoadedPipeline
+    from worker.pipelines.resident import Rendered
 
 DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
 DETAILS_VERSION: Literal[1] = 1
@@ -158,7 +158,7 @@ class ImageDetails(BaseModel):
 
 def image_details(
     request: RenderRequest,
-    loaded: LoadedPipeline,
+    loaded: Rendered,
     index: int,
     inputs: list[InputDigest],
     device: str,
@@ -182,7 +182,7 @@ def image_details(
         steps=int(request.steps or 0),
         guidance=float(request.guidance or 0.0),
         true_cfg=request.true_cfg,
-        scheduler=type(loaded.pipe.scheduler).__name__,
+        scheduler=loaded.sampler,
         width=int(request.width or 0),
         height=int(request.height or 0),
         num_images=request.num_images,

@@ -28,7 +28,7 @@ from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreU
 from worker.files.details import ImageDetails, InputDigest, image_details, save_options
 
 if TYPE_CHECKING:
-    from worker.pipelines.resident import LoadedPipeline
+    from worker.pipelines.resident import Rendered
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def encode_image(image: Image.Image, fmt: OutputFormat, details: ImageDetails) -
 def encode_images(
     images: list[Image.Image],
     request: RenderRequest,
-    loaded: LoadedPipeline,
+    loaded: Rendered,
     inputs: list[InputDigest],
     device: str,
     step_cache: StepCacheReport | None = None,

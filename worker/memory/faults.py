@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from worker.errors import InvalidFaults
 from worker.memory import rungs
 
-FAULT_PHASES = ("load", "text_encode", "denoise", "decode")
+FAULT_PHASES = ("load", "text_encode", "denoise", "decode", "upscale")
 CRASH_POINTS = ("claim", "start", "load", "denoise", "decode", "save", "finish", "webhook")
 CRASH_STATUS = 70  # the exit status of a drilled crash (EX_SOFTWARE)
 _ENTRY = re.compile(

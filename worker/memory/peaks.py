@@ -73,6 +73,7 @@ class Shape:
     step_cache: bool = False
     # The ControlNets loaded beside it (their sources, sorted): their weights and activations.
     controls: tuple[str, ...] = ()
+    hires: str = ""  # a hires pass's final size ("256x256"): its second pass's activations
 
     @property
     def field(self) -> str:
@@ -80,9 +81,10 @@ class Shape:
         # Absent when unused: the fields written before these existed read the same.
         cached = "|step_cache" if self.step_cache else ""
         control = f"|controls={','.join(self.controls)}" if self.controls else ""
+        hires = f"|hires={self.hires}" if self.hires else ""
         return (
             f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"
-            f"{cached}{control}"
+            f"{cached}{control}{hires}"
         )
 
 

@@ -66,6 +66,8 @@ def plan_model(
     manifest: Manifest, info: DeviceInfo, settings: Settings, usable: float
 ) -> ModelPlan:
     """The decisions a load of manifest would make on info's card with usable GB to plan with."""
+    if manifest.family == "upscaler":
+        return _upscaler_plan(manifest, info, usable)
     dtype, dtype_reason = choose_dtype(manifest, info)
     fit = fit_for(manifest, info, settings)
     spec = spec_for(manifest)
@@ -89,6 +91,23 @@ def plan_model(
     for component, pick in pick_schemes(manifest, info).items():
         plan.quantize[component] = None if quantize_off else pick.scheme
         plan.quantize_reasons[component] = "switched off" if quantize_off else pick.reason
+    return plan
+
+
+def _upscaler_plan(manifest: Manifest, info: DeviceInfo, usable: float) -> ModelPlan:
+    """An upscaler has one rung: whole on the device, its tiles halving on out of memory; its
+    precision is read off the file at load (half where the architecture has it)."""
+    dtype = "fp32" if not info.accelerator else "bf16" if info.bf16 else "fp16"
+    plan = ModelPlan(
+        manifest.id,
+        "full",
+        "an upscaler runs whole; out of memory halves its tiles (no offload rungs)",
+        dtype,
+        "half precision where the architecture has it (spandrel says at load), else fp32",
+        resident_gb=manifest.min_vram_gb,
+    )
+    if manifest.min_vram_gb > usable:
+        plan.problems.append(f"needs {manifest.min_vram_gb:.2f} GB; {usable:.2f} GB usable")
     return plan
 
 

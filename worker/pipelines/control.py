@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,7 +159,8 @@ def control_pipe(loaded: LoadedPipeline, mode: str, modules: list[torch.nn.Modul
 def call_arguments(pipe: Any, controls: list[Control]) -> dict[str, Any]:
     """What the control pipeline's call takes for these controls: the control images (`image` in
     SD's txt2img, `control_image` where `image` is img2img's input), each one's strength, the
-    share of steps it applies over, and a union checkpoint's mode index."""
+    share of steps it applies over where the call takes one (Z-Image's applies over every step:
+    resolve_controls holds start and end to 0 and 1 there), and a union checkpoint's mode index."""
     params = inspect.signature(type(pipe).__call__).parameters
     one = len(controls) == 1
 
@@ -170,11 +171,12 @@ def call_arguments(pipe: Any, controls: list[Control]) -> dict[str, Any]:
     call: dict[str, Any] = {
         image_arg: each([c.image for c in controls]),
         "controlnet_conditioning_scale": each([float(c.choice.strength or 0.0) for c in controls]),
-        "control_guidance_start": each([float(c.choice.start or 0.0) for c in controls]),
-        "control_guidance_end": each(
-            [1.0 if c.choice.end is None else float(c.choice.end) for c in controls]
-        ),
     }
+    if "control_guidance_start" in params:
+        call["control_guidance_start"] = each([float(c.choice.start or 0.0) for c in controls])
+        call["control_guidance_end"] = each(
+            [1.0 if c.choice.end is None else float(c.choice.end) for c in controls]
+        )
     modes = [c.spec.union_mode for c in controls]
     if "control_mode" in params and any(mode is not None for mode in modes):
         call["control_mode"] = each(modes)
@@ -190,17 +192,44 @@ def initial_latents(
     generators: list[torch.Generator],
 ) -> torch.Tensor:
     """The starting noise as the family's own txt2img pipeline draws it from the job's
-    generators, for a control pipeline that draws from them first (FLUX.1's VAE-encodes its
-    control image with a sample from them): handed in, the noise is the same with or without a
-    control."""
+    generators, for a control pipeline that draws from them first (FLUX.1's and Qwen-Image's
+    VAE-sample their control image from them): handed in, the noise is the same with or without
+    a control."""
     pipe = loaded.pipe
     channels = pipe.transformer.config.in_channels // 4
     dtype = embeds["prompt_embeds"].dtype
-    latents, _ids = pipe.prepare_latents(
+    drawn = pipe.prepare_latents(
         count, channels, height, width, dtype, loaded.execution_device, generators
     )
-    result: torch.Tensor = latents
-    return result
+    # FLUX.1's returns the packed latents with their position ids; Qwen-Image's, the latents.
+    latents: torch.Tensor = drawn[0] if isinstance(drawn, tuple) else drawn
+    return latents
+
+
+@contextmanager
+def seeded_call(loaded: LoadedPipeline, controls: list[Control], seed: int) -> Iterator[None]:
+    """Around a controlled call whose pipeline VAE-samples its control image from torch's global
+    RNG (FamilySpec.control.global_rng: SD3's passes no generator), that RNG seeded from the
+    job's seed, so the job renders the same pixels each time on a device; the caller's RNG state
+    (the host's and the device's) is back as it was after. Elsewhere nothing."""
+    import torch
+
+    family = loaded.spec.control
+    if not controls or family is None or not family.global_rng:
+        yield
+        return
+    device = loaded.execution_device
+    on_host = device.type == "cpu"
+    # The VAE samples where the control image is: from the host's generator or the device's,
+    # and only that card's (torch.manual_seed would reseed every card's, fork_rng restore one).
+    forked = [] if on_host else [device]
+    with torch.random.fork_rng(devices=forked, device_type="cuda" if on_host else device.type):
+        torch.default_generator.manual_seed(seed)
+        if not on_host:
+            module = torch.get_device_module(device.type)
+            with module.device(device) if device.type == "cuda" else nullcontext():
+                module.manual_seed(seed)  # the current device's; MPS has one
+        yield
 
 
 # -- the worker's preprocessor ---------------------------------------------------------------

@@ -54,9 +54,13 @@ class ControlFamily:
 
     model_class: str  # the diffusers ControlNet model class its checkpoints load as
     pipelines: dict[str, str]  # mode -> the control pipeline class, derived from the resident one
-    # The pipeline draws from the job's generators before the starting noise (FLUX.1 VAE-samples
-    # its control image): kiln draws the noise first and hands it in (control.initial_latents).
+    # The pipeline draws from the job's generators before the starting noise (FLUX.1 and
+    # Qwen-Image VAE-sample their control image): kiln draws the noise first and hands it in
+    # (control.initial_latents).
     noise_first: bool = False
+    # The pipeline VAE-samples its control image from torch's global RNG (SD3's passes no
+    # generator): kiln seeds it from the job's seed for the call (control.seeded_call).
+    global_rng: bool = False
 
 
 @dataclass(frozen=True)
@@ -343,6 +347,16 @@ SPECS: dict[str, FamilySpec] = {
         _decode_sdxl,
         modes=_modes("StableDiffusionXL"),
         vae_upcast=True,
+        # Union ControlNets only (xinsir's ControlNet++): one checkpoint serves every kind, each
+        # named by its mode index (ControlNetSpec.union_mode, which the manifest must give).
+        control=ControlFamily(
+            "ControlNetUnionModel",
+            {
+                "txt2img": "StableDiffusionXLControlNetUnionPipeline",
+                "img2img": "StableDiffusionXLControlNetUnionImg2ImgPipeline",
+                "inpaint": "StableDiffusionXLControlNetUnionInpaintPipeline",
+            },
+        ),
     ),
     "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
@@ -351,6 +365,9 @@ SPECS: dict[str, FamilySpec] = {
         fp16_safe=False,
         denoiser="transformer",
         modes=_modes("StableDiffusion3"),
+        control=ControlFamily(
+            "SD3ControlNetModel", {"txt2img": "StableDiffusion3ControlNetPipeline"}, global_rng=True
+        ),
     ),
     "flux": FamilySpec(
         "FluxPipeline",
@@ -382,6 +399,9 @@ SPECS: dict[str, FamilySpec] = {
         denoiser="transformer",
         previews=False,
         modes=_modes("QwenImage"),
+        control=ControlFamily(
+            "QwenImageControlNetModel", {"txt2img": "QwenImageControlNetPipeline"}, noise_first=True
+        ),
     ),
     "zimage": FamilySpec(
         "ZImagePipeline",
@@ -390,6 +410,7 @@ SPECS: dict[str, FamilySpec] = {
         fp16_safe=False,
         denoiser="transformer",
         modes=_modes("ZImage"),
+        control=ControlFamily("ZImageControlNetModel", {"txt2img": "ZImageControlNetPipeline"}),
     ),
 }
 

@@ -33,7 +33,12 @@ def import_pipeline_classes(manifests: list[Manifest]) -> None:
     """Import the diffusers pipeline classes these manifests load (seconds, once per process)."""
     import diffusers
 
+    from worker.pipelines import upscale
+
     for manifest in manifests:
+        if manifest.family == "upscaler":
+            upscale.check_installed()  # spandrel, with the torchvision it imports
+            continue
         check_installed(manifest)
         getattr(diffusers, spec_for(manifest).pipeline_class)
 

@@ -48,6 +48,11 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
     """The hub repositories manifest needs (pipeline, vae, taesd, loras, controlnets); local
     sources must exist, else FileNotFoundError names the path and the command that builds it."""
     wanted: list[Fetch] = []
+    if manifest.upscaler is not None:  # one file, in its directory or its hub repository
+        name = manifest.upscaler.file
+        if weights_source(manifest, models_dir, marker=name).local:
+            return []
+        return [Fetch(manifest.id, manifest.source, manifest.revision, [name], marker=name)]
     source = weights_source(manifest, models_dir)
     if not source.local:
         wanted.append(_pipeline_fetch(manifest))
@@ -67,7 +72,10 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
         marker = controlnet_marker(subfolder)
         if not weights_source(manifest, models_dir, repo, marker=marker).local:
             prefix = f"{subfolder}/" if subfolder else ""
-            files = [marker, f"{prefix}diffusion_pytorch_model*.safetensors*"]
+            # One checkpoint, whole or sharded (never a repository's other weights, as
+            # xinsir's ProMax file beside its union ControlNet).
+            weights = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model-*")
+            files = [marker, *(prefix + name for name in (*weights, f"{weights[0]}.index.json"))]
             wanted.append(Fetch(manifest.id, repo, revision, files, marker=marker))
     return wanted
 

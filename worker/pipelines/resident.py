@@ -12,7 +12,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,25 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class Rendered(Protocol):
+    """What made a job's images, as its record and the images' details read it: a resident
+    pipeline (LoadedPipeline) or an upscaler (worker.pipelines.upscale.LoadedUpscaler)."""
+
+    manifest: Manifest
+    compiled: bool
+    quantized: dict[str, str]
+    settings: SettingsReport
+
+    @property
+    def rung(self) -> Rung: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    @property
+    def sampler(self) -> str: ...
 
 
 @dataclass
@@ -76,6 +95,11 @@ class LoadedPipeline:
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    @property
+    def sampler(self) -> str:
+        """The scheduler class it runs (the record's and the details' sampler)."""
+        return type(self.pipe.scheduler).__name__
 
     @functools.cached_property
     def execution_device(self) -> torch.device:

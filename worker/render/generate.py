@@ -11,11 +11,13 @@ import inspect
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from PIL import Image
 
+from api_client.resolve import hires_size
 from api_client.schema import RenderRequest
 from worker.errors import JobStopped
 from worker.files.store import Store
@@ -35,6 +37,9 @@ from worker.render.timings import PartialBlocks, Stopwatch, TimingRecord
 
 log = logging.getLogger(__name__)
 
+# A hires pass's upscaler model: the first pass's images at the hires size (width, height).
+HiresUpscaler = Callable[[list[Image.Image], tuple[int, int]], list[Image.Image]]
+StepCallback = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
 # One decode of the kept latents on a pipeline, tiled or not: (images, how it decoded).
 DecodeTry = Callable[[LoadedPipeline, bool], tuple[list[Image.Image], str]]
 # The ladder's decode rules (Ladder.decode with this job's reclaim and reload bound): the images
@@ -64,10 +69,12 @@ def generate(
     decode: DecodeRules = decode_once,
     step_cache: StepCacheDecision | None = None,
     controlnets: list[torch.nn.Module] | None = None,
+    upscaler: HiresUpscaler | None = None,
 ) -> tuple[list[Image.Image], LoadedPipeline]:
     """inputs: img2img's, inpaint's and edit's images as the pipeline takes them (image,
     mask_image) and the job's controls, whose ControlNets (control.attach) are controlnets;
-    step_cache: the job's (worker.pipelines.step_cache), None for none. Returns the images and
+    step_cache: the job's (worker.pipelines.step_cache), None for none; upscaler: a hires
+    pass's upscaler model (None: latent upscaling, or no hires pass). Returns the images and
     the pipeline that decoded them (decode's)."""
     mode, rung = request.mode or "txt2img", loaded.rung
     inputs = inputs or JobInputs()
@@ -109,18 +116,23 @@ def generate(
     spec = step_cache.spec if step_cache is not None else None
     cache = StepCache(loaded.denoiser, spec, pipe, steps) if spec is not None else None
 
-    def on_step(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-        record.steps_denoised += 1
-        if cache is not None:
-            cache.step_ended()
-        preview = None
-        if step + 1 in previews:
-            preview = _preview(loaded, tensors["latents"], ctx, record, store)
-        ctx.progress("denoise", step + 1, steps, preview)
-        crash_point("denoise")
-        if ctx.stop_requested():
-            raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{steps} on request")
-        return tensors
+    def stepper(total: int, previews: set[int]) -> StepCallback:
+        """The step callback of a pass of total steps."""
+
+        def on_step(_pipe: Any, step: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            record.steps_denoised += 1
+            if cache is not None:
+                cache.step_ended()
+            preview = None
+            if step + 1 in previews:
+                preview = _preview(loaded, tensors["latents"], ctx, record, store)
+            ctx.progress("denoise", step + 1, total, preview)
+            crash_point("denoise")
+            if ctx.stop_requested():
+                raise JobStopped(f"job {ctx.job_id} stopped at step {step + 1}/{total} on request")
+            return tensors
+
+        return on_step
 
     with watch.phase("denoise"):
         ctx.progress("denoise", 0, steps)
@@ -133,7 +145,7 @@ def generate(
             "height": request.height,
             "generator": generators,
             "output_type": "latent",
-            "callback_on_step_end": on_step,
+            "callback_on_step_end": stepper(steps, previews),
             **family.call(*shape[:2]),
         }
         call.update(sources)
@@ -145,7 +157,11 @@ def generate(
                 call["latents"] = control.initial_latents(
                     loaded, embeds, count, *shape[:2], generators
                 )
-        with cache if cache is not None else nullcontext(), control.onloaded(loaded, beside):
+        with (
+            cache if cache is not None else nullcontext(),
+            control.onloaded(loaded, beside),
+            control.seeded_call(loaded, controls, seed),
+        ):
             latents = pipe(**_accepted(pipe, call)).images
         if pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the
@@ -167,14 +183,105 @@ def generate(
                 return family.decode(view, latents, *shape[:2]), how
 
     images, decoded = decode(loaded, decode_on)
+    record.per_step_s = watch.seconds.get("denoise", 0.0) / steps  # the first pass's
+    if request.hires is not None:
+        # 4. A hires pass: larger, then img2img at that size on the pipeline that decoded.
+        second = Pass(decoded, embeds, latents, images, (cfg, guidance), stepper)
+        images, decoded = _hires(second, request, ctx, watch, record, faults, decode, upscaler)
     record.ran_on(decoded)  # a lower rung's after a decode descent, as the result will say
     if step_cache is not None:
         record.settings = record.settings.model_copy(deep=True)  # the job's note, not the load's
         record.settings.add(step_cache.kind, "step_cache", step_cache.reason)
     record.step_cache = cache.report() if cache is not None else None
     record.peak_memory_bytes = dev.peak_bytes(info)
-    record.per_step_s = watch.seconds.get("denoise", 0.0) / steps
     return images, decoded
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What a hires pass takes from the first: the pipeline that decoded it, the text embeddings,
+    its latents and images, (whether CFG runs, the guidance), and its step callback's maker."""
+
+    loaded: LoadedPipeline
+    embeds: dict[str, Any]
+    latents: torch.Tensor
+    images: list[Image.Image]
+    guidance: tuple[bool, float]
+    stepper: Callable[[int, set[int]], StepCallback]
+
+
+def _hires(
+    first: Pass,
+    request: RenderRequest,
+    ctx: JobContext,
+    watch: Stopwatch,
+    record: TimingRecord,
+    faults: FaultPlan,
+    decode: DecodeRules,
+    upscaler: HiresUpscaler | None,
+) -> tuple[list[Image.Image], LoadedPipeline]:
+    """The first pass's result made hires.scale times larger (an upscaler model's pixels, or its
+    latents), then img2img at that size with the pass's strength and steps, on the same
+    resident pipeline, the same seeds and the same text embeddings; then decoded."""
+    hires, loaded = request.hires, first.loaded
+    assert hires is not None and hires.strength is not None and hires.steps is not None
+    family, (cfg, guidance) = loaded.spec, first.guidance
+    base = (request.width or 0, request.height or 0)
+    size = hires_size(request)
+    if upscaler is None:  # "latent": the latents themselves, bilinear, as A1111's Latent
+        with watch.phase("upscale"):
+            start: Any = hires_latents(loaded, first.latents, base, size)
+    else:
+        start = upscaler(first.images, size)
+    steps = max(hires.steps - int(hires.steps - hires.steps * hires.strength), 1)
+    pipe = loaded.pipe_for("img2img")
+    seed, count = int(request.seed or 0), request.num_images
+    with watch.phase("denoise"):
+        ctx.progress("denoise", 0, steps)
+        faults.check("denoise", loaded.rung)
+        call = {
+            **first.embeds,
+            **family.guidance(guidance, request.true_cfg),
+            "image": start,
+            "strength": hires.strength,
+            "num_inference_steps": hires.steps,
+            "width": size[0],
+            "height": size[1],
+            "generator": [torch.Generator("cpu").manual_seed(seed + i) for i in range(count)],
+            "output_type": "latent",
+            "callback_on_step_end": first.stepper(steps, set()),
+        }
+        latents = pipe(**_accepted(pipe, call)).images
+        loaded.pipe.maybe_free_model_hooks()  # the derived pipeline's hooks are the resident's
+    loaded.warm_shapes.add((*size, count))
+    loaded.modes_seen.add("img2img")
+    loaded.cfg_seen.add(cfg)
+
+    def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:
+        with watch.phase("decode"):
+            ctx.progress("decode", steps, steps)
+            faults.check("decode", on.rung)
+            view = on.pipe_for("img2img")
+            with tiled(view.vae) if tile else nullcontext("untiled") as how:
+                return family.decode(view, latents, *size), how
+
+    record.passes = 2
+    return decode(loaded, decode_on)
+
+
+def hires_latents(
+    loaded: LoadedPipeline, latents: torch.Tensor, base: tuple[int, int], size: tuple[int, int]
+) -> torch.Tensor:
+    """The first pass's latents at the hires size, as the family's img2img takes them for its
+    image: (B, C, H, W), FLUX.1's unpacked from their 2x2 patch tokens first."""
+    import torch.nn.functional as F
+
+    pipe = loaded.pipe
+    if latents.ndim == 3:  # packed tokens (FLUX.1)
+        latents = pipe._unpack_latents(latents, base[1], base[0], pipe.vae_scale_factor)
+    scale = pipe.vae_scale_factor
+    cells = (size[1] // scale, size[0] // scale)
+    return F.interpolate(latents.float(), size=cells, mode="bilinear").to(latents.dtype)
 
 
 def denoising_steps(request: RenderRequest) -> int:

@@ -13,6 +13,7 @@ from redis import Redis
 
 from api_client.connection import connect
 from api_client.manifest import Manifest
+from api_client.resolve import hires_size
 from api_client.schema import Attempt, RenderRequest, Rung
 from worker.errors import PinRefused
 from worker.memory import device as dev
@@ -163,6 +164,7 @@ class Planner:
             mode=request.mode or "txt2img",
             step_cache=step_cache.decide(manifest, self.settings, request).spec is not None,
             controls=control.sources(manifest, request),
+            hires="x".join(map(str, hires_size(request))) if request.hires else "",
         )
 
     @functools.cached_property

@@ -24,7 +24,7 @@ from PIL import Image
 
 from api_client.errors import short
 from api_client.manifest import Manifest
-from api_client.resolve import check_servable, resolve_request
+from api_client.resolve import check_servable, check_upscaler, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
 from worker.errors import FatalWorkerError, JobStopped, LeaseLost, OutOfMemory, device_lost
 from worker.files import output
@@ -40,11 +40,12 @@ from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
 from worker.pipelines.families import cfg_active
 from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
-from worker.pipelines.resident import LoadedPipeline, PipelineCache
+from worker.pipelines.resident import LoadedPipeline, PipelineCache, Rendered
 from worker.pipelines.step_cache import StepCacheDecision
 from worker.pipelines.switches import compile_fell_back
+from worker.pipelines.upscale import LoadedUpscaler, Upscalers, load_upscaler, upscale
 from worker.render.context import JobContext
-from worker.render.generate import DecodeRules, apply_loras, generate
+from worker.render.generate import DecodeRules, HiresUpscaler, apply_loras, generate
 from worker.render.inputs import InputReader, JobInputs
 from worker.render.placement import Planner
 from worker.render.timings import Stopwatch, TimingRecord, emit
@@ -104,6 +105,7 @@ class Renderer:
         self.cache = PipelineCache(self.info, int(settings.ram_cache_gb * GB))
         self.planner = Planner(settings, manifests, self.info, self.cache, RungMemory())
         self.inputs = InputReader(settings)
+        self.upscalers = Upscalers()  # upscaler models, beside the pipeline cache (small)
         self.faults = FaultPlan.parse(settings.faults) if faults is None else faults
         # Reads the next job's model into the RAM cache while a job renders; `upcoming` says
         # which model that is (a queue worker's lane order; worker.pipelines.prefetch).
@@ -151,20 +153,14 @@ class Renderer:
             # 4. An img2img, inpaint or controlled job's inputs, read and checked (sha256,
             #    format, size) and preprocessed before anything is loaded or evicted for it.
             inputs = self.inputs.read(request, self.manifests[request.model], self.store)
-            # 5. A rung: the request's pin (a replay's, a pinned ladder that never descends),
-            #    else the planner's. A cancel or a lost lease is taken at every phase boundary
-            #    as well as at every denoising step.
             _checkpoint(ctx, "before loading")
-            job = self._plan(request, ctx, watch, record, inputs)
-            with _named_pin(request, job.manifest.id, record.attempts):
-                # 6. Load: the resident pipeline if it serves the job, else a load.
-                crash_point("load")
-                loaded = self._ensure_loaded(job, job.choice.rung)
-                _checkpoint(ctx, "after loading")
-                self.prefetcher.after_load(job.manifest.id, ctx.job_id)
-                # 7. Generate: encode, denoise, decode under the ladder's out-of-memory rules.
-                images, loaded = self._generate(job, loaded)
-            self.planner.remember(request, job.choice, record.attempts, loaded.rung)
+            loaded: Rendered
+            if self.manifests[request.model].family == "upscaler":
+                # 5-7. An upscaler: resident or loaded, run in tiles that halve on OOM.
+                images, loaded = self._upscale(request, inputs, ctx, watch, record)
+            else:
+                # 5-7. A rung, a load, a generate under the ladder's out-of-memory rules.
+                images, loaded = self._diffuse(request, inputs, ctx, watch, record)
             _checkpoint(ctx, "after decode")
             # 8. Encode, with the generation details inside each file; then confirm this run
             #    still holds the job (a stalled worker's lease may have lapsed) before writing.
@@ -175,7 +171,7 @@ class Renderer:
                 )
             ctx.confirm()
             # 9. Save the images, then result.json last, as the mark of a complete job.
-            result = self._save(job, encoded, started_at, digest)
+            result = self._save(ctx, watch, record, encoded, started_at, digest)
             record.status = "done"
             return result
         except BaseException as exc:  # errors, stops, a job timeout (a BaseException by design)
@@ -200,7 +196,87 @@ class Renderer:
     def validate(self, payload: Any) -> RenderRequest:
         request = RenderRequest.parse(payload)
         check_target(request, self.webhook_targets)
-        return resolve_request(request, check_servable(request, self.manifests))
+        resolved = resolve_request(request, check_servable(request, self.manifests))
+        check_upscaler(resolved, self.manifests)
+        return resolved
+
+    # -- 5-7. a diffusion pipeline's job -------------------------------------------------------
+
+    def _diffuse(
+        self,
+        request: RenderRequest,
+        inputs: JobInputs,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+    ) -> tuple[list[Image.Image], LoadedPipeline]:
+        """A rung: the request's pin (a replay's, a pinned ladder that never descends), else the
+        planner's; the load; the generate. A cancel or a lost lease is taken at every phase
+        boundary as well as at every denoising step."""
+        job = self._plan(request, ctx, watch, record, inputs)
+        with _named_pin(request, job.manifest.id, record.attempts):
+            # 6. Load: the resident pipeline if it serves the job, else a load.
+            crash_point("load")
+            loaded = self._ensure_loaded(job, job.choice.rung)
+            _checkpoint(ctx, "after loading")
+            self.prefetcher.after_load(job.manifest.id, ctx.job_id)
+            # 7. Generate: encode, denoise, decode under the ladder's out-of-memory rules.
+            images, loaded = self._generate(job, loaded)
+        self.planner.remember(request, job.choice, record.attempts, loaded.rung)
+        return images, loaded
+
+    def _upscale(
+        self,
+        request: RenderRequest,
+        inputs: JobInputs,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+    ) -> tuple[list[Image.Image], LoadedUpscaler]:
+        """Mode upscale: the upscaler resident or loaded, the image through it in tiles."""
+        loaded, read = self._upscaler(request.model, watch)
+        if read:
+            record.cold, record.load_source = True, "disk"
+        record.ran_on(loaded)
+        _checkpoint(ctx, "after loading")
+        with watch.phase("upscale"):
+            ctx.progress("upscale", 0, 1)
+            image = inputs.sources["image"]
+            images = upscale(loaded, [image], record.attempts, self.faults, self.info)
+        return images, loaded
+
+    def _upscaler(self, model_id: str, watch: Stopwatch) -> tuple[LoadedUpscaler, bool]:
+        """An upscaler from this renderer's resident ones, else read and placed (the load);
+        and whether it was read now."""
+        loaded = self.upscalers.get(model_id)
+        if loaded is not None:
+            return loaded, False
+        with watch.phase("load"):
+            crash_point("load")
+            manifest = self.manifests[model_id]
+            loaded = load_upscaler(manifest, self.info, self.settings.models_dir, self.faults)
+        self.upscalers.put(loaded)
+        return loaded, True
+
+    def _hires_upscaler(self, job: JobRun) -> HiresUpscaler | None:
+        """A hires pass's upscaler model as generate calls it: run until the images are at least
+        the hires size (a 2x model twice for 4x), then resized to it (Lanczos), as A1111's hires
+        fix does. None for latent upscaling or no hires pass."""
+        hires = job.request.hires
+        if hires is None or hires.upscaler in (None, "latent"):
+            return None
+        model_id = hires.upscaler
+
+        def run(images: list[Image.Image], size: tuple[int, int]) -> list[Image.Image]:
+            loaded, _read = self._upscaler(model_id, job.watch)
+            with job.watch.phase("upscale"):
+                while images[0].width < size[0] or images[0].height < size[1]:
+                    images = upscale(loaded, images, job.record.attempts, self.faults, self.info)
+            return [
+                i if i.size == size else i.resize(size, Image.Resampling.LANCZOS) for i in images
+            ]
+
+        return run
 
     # -- 5. the rung ----------------------------------------------------------------------------
 
@@ -327,6 +403,7 @@ class Renderer:
                         decode=decode,
                         step_cache=job.step_cache,
                         controlnets=beside,
+                        upscaler=self._hires_upscaler(job),
                     )
             except Exception as exc:
                 if not compile_fell_back(loaded, exc):
@@ -369,16 +446,21 @@ class Renderer:
     # -- 9. save ---------------------------------------------------------------------------------
 
     def _save(
-        self, job: JobRun, encoded: list[EncodedImage], started_at: datetime, digest: str
+        self,
+        ctx: JobContext,
+        watch: Stopwatch,
+        record: TimingRecord,
+        encoded: list[EncodedImage],
+        started_at: datetime,
+        digest: str,
     ) -> RenderResult:
         """The images into the store, then the result built from the record, as result.json."""
-        job_id = job.ctx.job_id
-        with job.watch.phase("save"):
-            files = self.store.save_images(job_id, encoded)
+        with watch.phase("save"):
+            files = self.store.save_images(ctx.job_id, encoded)
         crash_point("save")
-        _checkpoint(job.ctx, "after saving its images")
-        job.record.timings = job.watch.timings(job.ctx.queue_wait_s)
-        result = job.record.result(files, started_at, digest)
+        _checkpoint(ctx, "after saving its images")
+        record.timings = watch.timings(ctx.queue_wait_s)
+        result = record.result(files, started_at, digest)
         self.store.write_result(result)
         return result
 

@@ -32,7 +32,7 @@ from api_client.schema import (
 )
 
 if TYPE_CHECKING:
-    from worker.pipelines.resident import LoadedPipeline
+    from worker.pipelines.resident import Rendered
 
 log = structlog.get_logger("kiln.timings")
 
@@ -143,6 +143,7 @@ class TimingRecord(BaseModel):
     compile_source: Literal["cold", "local", "fleet"] | None = None
     step_cache: StepCacheReport | None = None  # what the job's step cache computed and reused
     controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
+    passes: int = 1  # 2 after a hires pass (its denoise and decode add to the phases)
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
     attempts: list[Attempt] = Field(default_factory=list)
@@ -172,13 +173,13 @@ class TimingRecord(BaseModel):
         self.mode = request.mode or "txt2img"
         self.controls = [ControlReport.of(choice) for choice in request.controls or []]
 
-    def ran_on(self, loaded: LoadedPipeline) -> None:
+    def ran_on(self, loaded: Rendered) -> None:
         """The pipeline this try runs on, and after decode the one that decoded (a lower rung's
         when decode descended): its rung and everything about it that changes pixels."""
         self.rung, self.dtype = loaded.rung, loaded.dtype_name
         self.compiled, self.settings = loaded.compiled, loaded.settings
         self.quantized = loaded.quantized
-        self.scheduler = type(loaded.pipe.scheduler).__name__
+        self.scheduler = loaded.sampler
 
     def result(
         self, images: list[ImageFile], started_at: datetime, request_sha256: str
@@ -277,7 +278,8 @@ class FitTracker:
         self._samples: dict[tuple[str, int, int], list[_Sample]] = {}
 
     def add(self, record: TimingRecord) -> tuple[str, int, int] | None:
-        if not record.steady or not record.model or not record.steps:
+        # A hires job's time is two passes at two sizes: not a sample of its first size's line.
+        if not record.steady or not record.model or not record.steps or record.passes > 1:
             return None
         if record.width is None or record.height is None:
             return None

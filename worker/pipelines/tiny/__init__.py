@@ -28,6 +28,7 @@ from worker.pipelines.tiny.flux2 import flux2
 from worker.pipelines.tiny.lora import save_tiny_loras
 from worker.pipelines.tiny.qwenimage import qwenimage
 from worker.pipelines.tiny.sd import sd3, sd15, sdxl
+from worker.pipelines.tiny.upscaler import TinyUpscaler
 from worker.pipelines.tiny.zimage import zimage
 
 __all__ = [
@@ -42,11 +43,12 @@ __all__ = [
 # Bump whenever a config, tokenizer or seed changes: existing builds are then replaced.
 # 2: a tiny TAESD in <pipeline>/taesd for previews. 3: flux, flux2, qwenimage and zimage.
 # 4: two tiny LoRAs in <pipeline>/loras (worker.pipelines.tiny.lora). 5: tiny ControlNets in
-# <pipeline>/controlnets for sd15 and flux (worker.pipelines.tiny.controlnet).
-BUILDER_VERSION: Final = 5
+# <pipeline>/controlnets for sd15 and flux (worker.pipelines.tiny.controlnet). 6: for sdxl, sd3,
+# qwenimage and zimage too, and tiny-upscaler (worker.pipelines.tiny.upscaler).
+BUILDER_VERSION: Final = 6
 STAMP_FILE: Final = "kiln_tiny.json"
 
-_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
+_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
     "sd15": sd15,
     "sdxl": sdxl,
     "sd3": sd3,
@@ -56,6 +58,8 @@ _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
     # An edit model of the flux family (manifest modes [txt2img, edit]): its own checkpoint.
     "flux-kontext": flux_kontext,
     "zimage": zimage,
+    # Not a pipeline: an ESRGAN file for spandrel (manifest tiny-upscaler, family upscaler).
+    "upscaler": TinyUpscaler,
 }
 TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -69,7 +73,7 @@ _TAESD_SEED: Final = 40
 def build_tiny_models(
     out_dir: Path, families: Iterable[str] = TINY_FAMILIES, *, force: bool = False
 ) -> dict[str, Path]:
-    """Build tiny-<family> pipelines under out_dir (out_dir/tiny-sd15 ...).
+    """Build tiny-<family> pipelines (and tiny-upscaler) under out_dir (out_dir/tiny-sd15 ...).
 
     Skips a pipeline whose dir already has a model_index.json and a matching builder version
     stamp unless force. Returns {"tiny-sd15": path, ...}.
@@ -91,9 +95,10 @@ def build_tiny_models(
 
 
 def is_current(path: Path) -> bool:
-    """Whether path holds a complete pipeline stamped by this BUILDER_VERSION."""
+    """Whether path holds a complete build stamped by this BUILDER_VERSION (the stamp is written
+    last, and the directory swapped into place whole)."""
     stamp = path / STAMP_FILE
-    if not (path / "model_index.json").is_file() or not stamp.is_file():
+    if not stamp.is_file():
         return False
     try:
         version = json.loads(stamp.read_text(encoding="utf-8")).get("builder_version")
@@ -109,12 +114,8 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
         pipe = _BUILDERS[family]()
         with _quiet_progress_bars():
             pipe.save_pretrained(tmp, safe_serialization=True)
-            if family in TAESD_LATENTS:
-                _save_taesd(tmp / "taesd", family)
-            # Before the LoRAs: making them leaves peft's wrappers on the denoiser, and SD's
-            # ControlNet copies the UNet's own weights.
-            save_tiny_controlnets(pipe, family, tmp / "controlnets")
-            save_tiny_loras(pipe, tmp / "loras")
+            if isinstance(pipe, DiffusionPipeline):
+                _save_extras(pipe, family, tmp)
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         # A concurrent builder may have finished first; keep its copy so readers are not cut off.
@@ -122,6 +123,16 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
             _swap_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_extras(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
+    """What a tiny pipeline ships beside itself: a TAESD, ControlNets, LoRAs."""
+    if family in TAESD_LATENTS:
+        _save_taesd(directory / "taesd", family)
+    # Before the LoRAs: making them leaves peft's wrappers on the denoiser, and SD's ControlNet
+    # copies the UNet's own weights.
+    save_tiny_controlnets(pipe, family, directory / "controlnets")
+    save_tiny_loras(pipe, directory / "loras")
 
 
 def _save_taesd(directory: Path, family: str) -> None:
