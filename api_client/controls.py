@@ -15,8 +15,18 @@ from api_client.schema import MAX_CONTROLS, ControlChoice
 
 CONTROL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 # What a control image shows: the kind of map its ControlNet was trained on.
+# union: a union checkpoint that takes no mode index and reads any of its maps (Qwen-Image's).
 ControlKind = Literal[
-    "canny", "depth", "pose", "lineart", "softedge", "scribble", "normal", "segmentation", "tile"
+    "canny",
+    "depth",
+    "pose",
+    "lineart",
+    "softedge",
+    "scribble",
+    "normal",
+    "segmentation",
+    "tile",
+    "union",
 ]
 # What the worker computes from a request's image before the ControlNet reads it: nothing (the
 # image is already the map), or Canny edges (no model needed). Others need a model of their own
@@ -193,7 +203,7 @@ def resolve_controls(
                     rule = f"must be {whole:g} on family {family}: {WHOLE_SCHEDULE[family]}"
                     problems.append(Problem(f"{field}.{name}", value, rule))
         preprocess = choice.preprocess or "none"
-        if preprocess == "canny" and spec.kind != "canny":
+        if preprocess == "canny" and spec.kind not in ("canny", "union"):
             rule = f"canny edges feed a canny ControlNet; {choice.name} is a {spec.kind} one"
             problems.append(Problem(f"{field}.preprocess", preprocess, rule))
         if len(problems) == before:

@@ -65,7 +65,7 @@ GRID: dict[str, int] = {
     "flux2": 16,
     "qwenimage": 16,
     "zimage": 16,
-    "upscaler": 1,  # an image of any size within its resolutions: no latent grid
+    "upscaler": 1,  # an image of any size within the input caps: no latent grid
 }
 
 
@@ -219,27 +219,12 @@ def partway_refusal(spec: FirstBlockCache | MagCache, mode: str | None) -> str |
     return None
 
 
-class UpscalerSpec(_Strict):
-    """An upscaler's file and how it runs (family upscaler; worker.pipelines.upscale): the
-    weights spandrel reads (.safetensors or .pth, in the source's directory or hub repository),
-    the scale it was trained at (checked against what spandrel finds), and the tile size and
-    overlap it runs large images in (input pixels; out of memory halves the tile)."""
-
-    file: str = Field(min_length=1, pattern=r"^[^\\]+\.(safetensors|pth|pt|ckpt)$")
-    scale: int = Field(ge=1, le=8)
-    tile: int = Field(default=512, ge=64, le=4096)
-    overlap: int = Field(default=32, ge=0, le=256)
-
-    @field_validator("file")
-    @classmethod
-    def _inside_its_source(cls, name: str) -> str:
-        if name.startswith("/") or ".." in name.split("/"):
-            raise ValueError(f"{name!r} must name a file inside the source, not outside it")
-        return name
-
-
 # What a manifest of family upscaler may not set: the fields of a diffusion pipeline.
 DIFFUSION_ONLY = (
+    "steps",
+    "guidance",
+    "resolutions",
+    "rung_vram_gb",
     "scheduler",
     "true_cfg",
     "max_sequence_length",
@@ -255,6 +240,9 @@ DIFFUSION_ONLY = (
 # guidance, which every manifest has, are these, and a request may not set either.
 UPSCALER_STEPS = {"default": 1, "max": 1}
 UPSCALER_GUIDANCE = {"default": 0.0, "max": 0.0}
+UPSCALER_TILE = 512  # input pixels a tile starts at (Real-ESRGAN's scripts use 400-512)
+# The files spandrel reads: safetensors, or a pickled state dict (read with weights_only).
+UPSCALER_FILES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 
 
 class Manifest(_Strict):
@@ -271,7 +259,9 @@ class Manifest(_Strict):
     guidance: GuidanceRange
     # True CFG with a negative prompt (flux, qwenimage); absent: not allowed.
     true_cfg: GuidanceRange | None = None
-    resolutions: list[tuple[int, int]] = Field(min_length=1)
+    # Sizes a request may ask for (every diffusion model lists one or more; an upscaler none: it
+    # takes an input of any size within the input caps).
+    resolutions: list[tuple[int, int]] = Field(default_factory=list)
     # Prompt tokens the text encoder reads (the pipeline's max_sequence_length; FLUX.1-schnell's
     # T5 was trained on 256, the pipeline's default is 512). None: the pipeline's default.
     max_sequence_length: int | None = Field(default=None, ge=16, le=1024)
@@ -303,8 +293,12 @@ class Manifest(_Strict):
     # ControlNets a request may name, loaded beside the resident pipeline at a job's first use
     # (api_client.controls; worker.pipelines.control).
     controlnets: dict[str, ControlNetSpec] = Field(default_factory=dict)
-    # family upscaler: its file, scale and tiles (mode upscale, and a hires pass's upscaler).
-    upscaler: UpscalerSpec | None = None
+    # family upscaler (mode upscale; a hires pass's upscaler), whose source is one file: the
+    # native scale (checked against what spandrel finds in it), the tile it starts at and the
+    # overlap between tiles, in input pixels (out of memory halves the tile).
+    scale: int | None = Field(default=None, ge=1, le=8)
+    tile: int | None = Field(default=None, ge=64, le=4096)
+    tile_overlap: int = Field(default=32, ge=0, le=256)
     # The weights' licence where a user must know it (an upscaler's own, a ControlNet's).
     license: str | None = None
 
@@ -320,16 +314,33 @@ class Manifest(_Strict):
             raise ValueError(
                 f"{', '.join(present)}: a diffusion pipeline's fields; an upscaler has none"
             )
-        filled = {"steps": UPSCALER_STEPS, "guidance": UPSCALER_GUIDANCE, "modes": ["upscale"]}
+        filled = {
+            "steps": UPSCALER_STEPS,
+            "guidance": UPSCALER_GUIDANCE,
+            "modes": ["upscale"],
+            "tile": UPSCALER_TILE,
+            "min_vram_gb": 0.0,
+        }
         return {**filled, **data}
 
     @model_validator(mode="after")
-    def _upscaler_entry(self) -> Manifest:
-        if (self.family == "upscaler") != (self.upscaler is not None):
+    def _upscaler_or_pipeline(self) -> Manifest:
+        """An upscaler names its scale and one weights file; a diffusion pipeline neither, and
+        at least one resolution."""
+        if self.family != "upscaler":
+            given = [f for f in ("scale", "tile") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: family {self.family} is no upscaler")
+            if not self.resolutions:
+                raise ValueError("resolutions: a diffusion model lists at least one size")
+            return self
+        if self.scale is None:
+            raise ValueError("scale: an upscaler names its native scale (2, 4, ...)")
+        if not self.source.endswith(UPSCALER_FILES) or ".." in self.source.split("/"):
             raise ValueError(
-                "family upscaler needs an upscaler entry ({file, scale})"
-                if self.upscaler is None
-                else f"upscaler: family {self.family} is a diffusion pipeline, not an upscaler"
+                f"source {self.source!r}: an upscaler's source is its weights file"
+                f" ({', '.join(UPSCALER_FILES)}): a path under KILN_MODELS_DIR or an absolute"
+                " one, or owner/repo/file on the hub"
             )
         return self
 

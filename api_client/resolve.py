@@ -84,7 +84,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     controls = resolve_controls(
         request.controls, manifest.controlnets, manifest.id, manifest.family, mode, problems
     )
-    hires = _hires(request, manifest, mode, steps, (width, height), problems)
+    hires = _hires(request, manifest, mode, (width, height), problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -153,14 +153,16 @@ def _mode(
 # SD's, SDXL's and SD3's as they are, FLUX.1's unpacked (worker.pipelines.hires).
 LATENT_HIRES_FAMILIES = ("sd15", "sd2", "sdxl", "sd3", "flux")
 MAX_HIRES_SCALE = 4.0
-DEFAULT_HIRES_STRENGTH = 0.5  # ComfyUI's hires workflows' denoise; A1111's default is 0.7
+# The contract's defaults (DESIGN.md): strength 0.35 keeps the first pass's composition (A1111's
+# own default is 0.7), over half the model's default steps.
+DEFAULT_HIRES_STRENGTH = 0.35
+MAX_UPSCALED = 8192 * 8192  # pixels an upscale makes: 1 GB of float RGB and weights on the device
 
 
 def _hires(
     request: RenderRequest,
     manifest: Manifest,
     mode: str,
-    steps: int,
     size: tuple[int, int],
     problems: list[Problem],
 ) -> HiresRequest | None:
@@ -192,7 +194,10 @@ def _hires(
             )
             problems.append(Problem("hires.scale", scale, rule))
     strength = DEFAULT_HIRES_STRENGTH if hires.strength is None else hires.strength
-    second = steps if hires.steps is None else hires.steps
+    # Default: half the model's default steps, and at least enough to re-noise one at strength.
+    fewest = math.ceil(1 / strength) if math.isfinite(strength) and 0 < strength <= 1 else 1
+    least = max(manifest.steps.default // 2, fewest)
+    second = least if hires.steps is None else hires.steps
     if not math.isfinite(strength) or not 0 < strength <= 1:
         problems.append(Problem("hires.strength", strength, "must be above 0 and at most 1"))
     elif not 1 <= second <= manifest.steps.max:
@@ -235,7 +240,7 @@ def check_upscaler(request: RenderRequest, manifests: dict[str, Manifest]) -> No
 
 
 def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderRequest:
-    """An upscaler's request: its image, at one of its resolutions, one image out, and nothing a
+    """An upscaler's request: its image, at the image's size, one image out, and nothing a
     diffusion request sets (a replay's pins excepted: rung full, compile and step cache off)."""
     from api_client.inputs import InputRefused, parse_ref
 
@@ -273,10 +278,15 @@ def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderReques
             problems.append(Problem(field, value, f"mode upscale takes no {field}"))
     width, height = request.width, request.height
     if width is None or height is None:
-        width, height = manifest.default_size
-    if (width, height) not in {tuple(size) for size in manifest.resolutions}:
-        allowed = ", ".join(f"{w}x{h}" for w, h in manifest.resolutions)
-        problems.append(Problem("width x height", f"{width}x{height}", f"must be one of {allowed}"))
+        rule = "mode upscale needs the image's size (the client reads it from the image)"
+        problems.append(Problem("width x height", f"{width}x{height}", rule))
+    elif width < 1 or height < 1 or width * height * (manifest.scale or 1) ** 2 > MAX_UPSCALED:
+        side = math.isqrt(MAX_UPSCALED)
+        rule = (
+            f"makes {width * (manifest.scale or 1)}x{height * (manifest.scale or 1)}; an upscale"
+            f" makes at most {side}x{side} pixels (its output is held whole on the device)"
+        )
+        problems.append(Problem("width x height", f"{width}x{height}", rule))
     if request.num_images != 1:
         rule = "must be 1: an upscale makes one image of one"
         problems.append(Problem("num_images", request.num_images, rule))
@@ -288,8 +298,6 @@ def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderReques
             "steps": manifest.steps.default,
             "guidance": manifest.guidance.default,
             "seed": 0,  # an upscaler draws no noise
-            "width": width,
-            "height": height,
         }
     )
 

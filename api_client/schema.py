@@ -78,8 +78,8 @@ class HiresRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     scale: float
-    strength: float | None = None  # default 0.5
-    steps: int | None = None  # default: the request's steps
+    strength: float | None = None  # default 0.35
+    steps: int | None = None  # default: half the model's default steps
     upscaler: str | None = None  # an upscaler manifest's id, or "latent" (the default)
 
 

@@ -113,6 +113,17 @@ plausible = {
             max_size=3,
         ),
     ),
+    "hires": st.one_of(
+        st.none(),
+        st.fixed_dictionaries(
+            {"scale": st.sampled_from([0.5, 1, 1.5, 2, 2.1, 4, 5])},
+            optional={
+                "strength": st.floats(min_value=-0.5, max_value=1.5),
+                "steps": st.integers(min_value=-1, max_value=60),
+                "upscaler": st.sampled_from(["latent", "tiny-upscaler", "tiny-sd15", "nope", ""]),
+            },
+        ),
+    ),
 }
 
 

@@ -82,7 +82,7 @@ def test_upscale_requests_are_refused_naming_field_value_and_rule(
     redis_conn: Redis, settings: Any
 ) -> None:
     client = client_for(redis_conn, settings)
-    source, odd = client.upload(png()), client.upload(png((96, 96)))
+    source, odd = client.upload(png()), client.upload(png((96, 80)))
     cases: list[tuple[dict[str, Any], str]] = [
         ({}, "mode upscale needs an image"),
         ({"image": source, "prompt": "a fox"}, "prompt='a fox': mode upscale takes no prompt"),
@@ -90,13 +90,18 @@ def test_upscale_requests_are_refused_naming_field_value_and_rule(
         ({"image": source, "num_images": 2}, "num_images=2: must be 1"),
         ({"image": source, "mode": "img2img"}, "mode='img2img': must be upscale"),
         ({"image": source, "rung": "model_offload"}, "mode upscale takes no rung"),
-        ({"image": odd}, "width x height='96x96': must be one of 128x128"),
+        ({"image": source, "width": 6000, "height": 6000}, "makes 12000x12000; an upscale"),
     ]
     for extra, words in cases:
         with pytest.raises(RequestRejected) as caught:
             client.submit({"model": UPSCALER, **extra})
         assert words in str(caught.value), str(caught.value)
     assert redis_conn.keys("rq:job:*") == []
+    # Any size: an upscale is the image's (96x80 makes 192x160).
+    job = client.submit({"model": UPSCALER, "image": odd})
+    burst(redis_conn, make_renderer(settings, [UPSCALER]), [UPSCALER])
+    image = job.wait(timeout=5).images[0]
+    assert (image.width, image.height) == (192, 160)
 
 
 def test_a_file_of_another_scale_fails_its_job_naming_both(
@@ -104,11 +109,9 @@ def test_a_file_of_another_scale_fails_its_job_naming_both(
 ) -> None:
     extra = tmp_path / "manifests"
     extra.mkdir()
-    source = make_settings().models_dir / "tiny-upscaler"
+    source = make_settings().models_dir / "tiny-upscaler" / "tiny-upscaler-x2.safetensors"
     (extra / "wrong-scale.yaml").write_text(
-        f"id: wrong-scale\nfamily: upscaler\nsource: {source}\n"
-        "upscaler: {file: tiny-upscaler-x2.safetensors, scale: 4}\n"
-        "resolutions: [[128, 128]]\nmin_vram_gb: 0.01\n"
+        f"id: wrong-scale\nfamily: upscaler\nsource: {source}\nscale: 4\n"
     )
     settings = make_settings(manifests=[extra])
     client = client_for(redis_conn, settings)
@@ -118,32 +121,38 @@ def test_a_file_of_another_scale_fails_its_job_naming_both(
         job.wait(timeout=5)
 
 
-def test_upscaler_manifests_hold_no_diffusion_fields() -> None:
-    base = {
-        "id": "u",
-        "family": "upscaler",
+def test_upscaler_manifests_hold_no_diffusion_fields(tmp_path: Any) -> None:
+    from worker.pipelines.pull import fetches
+
+    base = {"id": "u", "family": "upscaler", "source": "owner/repo/x4.pth", "scale": 4}
+    upscaler = Manifest.model_validate(base)
+    assert upscaler.modes == ["upscale"] and upscaler.steps.max == 1 and upscaler.tile == 512
+    [fetch] = fetches(upscaler, tmp_path)
+    assert (fetch.repo, fetch.allow_patterns) == ("owner/repo", ["x4.pth"])
+    with pytest.raises(ValidationError, match="loras: a diffusion pipeline's fields"):
+        Manifest.model_validate({**base, "loras": {"a": {"source": "s", "max_rank": 4}}})
+    with pytest.raises(ValidationError, match="resolutions: a diffusion pipeline's fields"):
+        Manifest.model_validate({**base, "resolutions": [[512, 512]]})
+    with pytest.raises(ValidationError, match="scale: an upscaler names its native scale"):
+        Manifest.model_validate({k: v for k, v in base.items() if k != "scale"})
+    for bad in ("owner/repo/../x.pth", "owner/repo", "x.exe"):
+        with pytest.raises(ValidationError, match="an upscaler's source is its weights file"):
+            Manifest.model_validate({**base, "source": bad})
+    with pytest.raises(FileNotFoundError, match="nor owner/repo/file on the hub"):
+        fetches(Manifest.model_validate({**base, "source": "x4.pth"}), tmp_path)
+    diffusion = {
+        "id": "d",
+        "family": "sd15",
         "source": "x",
-        "upscaler": {"file": "x.pth", "scale": 4},
+        "steps": {"default": 4, "max": 8},
+        "guidance": {"default": 1.0, "max": 2.0},
         "resolutions": [[512, 512]],
         "min_vram_gb": 1,
     }
-    upscaler = Manifest.model_validate(base)
-    assert upscaler.modes == ["upscale"] and upscaler.steps.max == 1
-    with pytest.raises(ValidationError, match="loras: a diffusion pipeline's fields"):
-        Manifest.model_validate({**base, "loras": {"a": {"source": "s", "max_rank": 4}}})
-    with pytest.raises(ValidationError, match="needs an upscaler entry"):
-        Manifest.model_validate({k: v for k, v in base.items() if k != "upscaler"})
-    for bad in ("../x.pth", "/etc/x.pth", "x.exe"):
-        with pytest.raises(ValidationError):
-            Manifest.model_validate({**base, "upscaler": {"file": bad, "scale": 4}})
-    diffusion = {
-        **{k: v for k, v in base.items() if k != "upscaler"},
-        "family": "sd15",
-        "steps": {"default": 4, "max": 8},
-        "guidance": {"default": 1.0, "max": 2.0},
-    }
-    with pytest.raises(ValidationError, match="family sd15 is a diffusion pipeline"):
-        Manifest.model_validate({**diffusion, "upscaler": {"file": "x.pth", "scale": 4}})
+    with pytest.raises(ValidationError, match="scale: family sd15 is no upscaler"):
+        Manifest.model_validate({**diffusion, "scale": 4})
+    with pytest.raises(ValidationError, match="resolutions: a diffusion model lists at least"):
+        Manifest.model_validate({**diffusion, "resolutions": []})
 
 
 def test_a_hires_pass_returns_scale_times_the_size_in_two_passes(
@@ -155,7 +164,7 @@ def test_a_hires_pass_returns_scale_times_the_size_in_two_passes(
     base = {"model": "tiny-sd15", "prompt": "a fox", "steps": 4, "seed": 3}
     plain = client.submit(base)
     latent = client.submit({**base, "hires": {"scale": 1.5}})
-    model = client.submit({**base, "hires": {"scale": 2, "upscaler": UPSCALER, "steps": 2}})
+    model = client.submit({**base, "hires": {"scale": 2, "upscaler": UPSCALER, "steps": 2, "strength": 0.5}})
     flux = client.submit(
         {"model": "tiny-flux", "prompt": "a fox", "steps": 3, "hires": {"scale": 1.5}}
     )
@@ -169,10 +178,13 @@ def test_a_hires_pass_returns_scale_times_the_size_in_two_passes(
     by_id = {r.job_id: r for r in records(settings.timings_log)}
     one, two = by_id[plain.id], by_id[latent.id]
     assert one.passes == 1 and two.passes == 2
-    # 4 steps, then hires strength 0.5 of 4 steps: 2 more denoised (SD 1.5's PLMS runs its
-    # first timestep twice, in each pass: 5, then 3).
-    assert (one.steps_denoised, two.steps_denoised) == (5, 5 + 3) and two.timings.upscale > 0
-    assert by_id[model.id].steps_denoised == 5 + 2  # strength 0.5 of 2 steps
+    # 4 steps, then hires strength 0.35 of tiny-sd15's default 8 / 2 = 4 steps: 1 more
+    # denoised (SD 1.5's PLMS runs its first timestep twice, in each pass: 5, then 2).
+    assert (one.steps_denoised, two.steps_denoised) == (5, 5 + 2) and two.timings.upscale > 0
+    assert by_id[model.id].steps_denoised == 5 + 2  # strength 0.5 of 2 steps: 1, run twice
+    # tiny-flux: half its 4 default steps is 2, too few at 0.35; at 3, diffusers' get_timesteps
+    # starts at int(3 - 3 x 0.35) = 1 and runs 2.
+    assert by_id[flux.id].steps_denoised == 3 + 2
     assert by_id[model.id].timings.upscale > 0
     assert any(a.phase == "upscale" for a in by_id[model.id].attempts)
     assert by_id[flux.id].passes == 2 and by_id[flux.id].status == "done"
@@ -190,6 +202,7 @@ def test_hires_requests_are_refused_naming_field_value_and_rule(
         ({"scale": 5}, "hires.scale=5"),
         ({"scale": 1.3}, "128x128 times 1.3 is 166.4x166.4"),
         ({"scale": 2, "strength": 0}, "hires.strength=0"),
+        ({"scale": 2, "steps": 2, "strength": 0.3}, "with 2 steps re-noises 0.6 of them"),
         ({"scale": 2, "steps": 99}, "hires.steps=99"),
         ({"scale": 2, "upscaler": "nope"}, "hires.upscaler='nope': must be latent or an upscaler"),
         ({"scale": 2, "upscaler": "tiny-sd15"}, "hires.upscaler='tiny-sd15'"),

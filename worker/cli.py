@@ -135,6 +135,19 @@ def _parser() -> argparse.ArgumentParser:
         help="what the worker computes from each --control image first (default none: the image"
         " is the map; canny: its edges)",
     )
+    submit.add_argument(
+        "--hires",
+        type=float,
+        metavar="SCALE",
+        help="a hires pass: render, make SCALE times larger (above 1, at most 4), img2img again",
+    )
+    submit.add_argument(
+        "--hires-upscaler",
+        metavar="ID",
+        help="the hires pass's upscaler manifest (default latent: the latents, bilinear)",
+    )
+    submit.add_argument("--hires-strength", type=float, help="the hires img2img's strength (0.5)")
+    submit.add_argument("--hires-steps", type=int, help="the hires img2img's steps (the request's)")
     submit.add_argument("--width", type=int)
     submit.add_argument("--height", type=int)
     submit.add_argument("--seed", type=int)

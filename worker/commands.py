@@ -49,8 +49,12 @@ def submit(args: argparse.Namespace) -> int:
     request: dict[str, Any] = {
         field: getattr(args, field)
         for field in RenderRequest.model_fields
-        if getattr(args, field, None) is not None
+        if getattr(args, field, None) is not None and field != "hires"
     }
+    if args.hires is not None:
+        hires = {"scale": args.hires, "upscaler": args.hires_upscaler}
+        hires.update(strength=args.hires_strength, steps=args.hires_steps)
+        request["hires"] = {k: v for k, v in hires.items() if v is not None}
     client = _client()
     try:
         for field in ("image", "mask"):

@@ -48,11 +48,14 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
     """The hub repositories manifest needs (pipeline, vae, taesd, loras, controlnets); local
     sources must exist, else FileNotFoundError names the path and the command that builds it."""
     wanted: list[Fetch] = []
-    if manifest.upscaler is not None:  # one file, in its directory or its hub repository
-        name = manifest.upscaler.file
-        if weights_source(manifest, models_dir, marker=name).local:
+    if manifest.family == "upscaler":  # one file: on this disk, or owner/repo/file on the hub
+        from worker.pipelines.upscale import hub_file
+
+        found = hub_file(manifest, models_dir)
+        if isinstance(found, Path):
             return []
-        return [Fetch(manifest.id, manifest.source, manifest.revision, [name], marker=name)]
+        repo, name = found
+        return [Fetch(manifest.id, repo, manifest.revision, [name], marker=name)]
     source = weights_source(manifest, models_dir)
     if not source.local:
         wanted.append(_pipeline_fetch(manifest))

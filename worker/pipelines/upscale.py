@@ -3,9 +3,9 @@ which reads the architecture off the state dict, kept resident across jobs like 
 run over an image in overlapping tiles. On out of memory the tile size halves and the image is
 run again (the ladder's rule for a model with no offload rungs); each try is an Attempt.
 
-A manifest of family upscaler names the file and its native scale (api_client.manifest
-UpscalerSpec). spandrel imports every architecture it knows when it is imported (its LaMa needs
-torchvision), so it is imported at the first load, never by `kiln --help`."""
+A manifest of family upscaler names the file (source), its native scale and its tile. spandrel
+imports every architecture it knows when it is imported (its LaMa needs torchvision), so it is
+imported at the first load, never by `kiln --help`."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api_client.manifest import Manifest, UpscalerSpec
+from api_client.manifest import Manifest
 from api_client.schema import Attempt, Rung, SettingsReport
 from worker.errors import OutOfMemory
-from worker.manifest import weights_source
 
 if TYPE_CHECKING:
     import torch
@@ -48,11 +47,6 @@ class LoadedUpscaler:
     rung: Rung = "full"  # no offload rungs: what does not fit runs in smaller tiles
     compiled: bool = False
     quantized: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def spec(self) -> UpscalerSpec:
-        assert self.manifest.upscaler is not None
-        return self.manifest.upscaler
 
     @property
     def dtype_name(self) -> str:
@@ -92,16 +86,14 @@ def load_upscaler(
     check_installed()
     import spandrel
 
-    spec = manifest.upscaler
-    assert spec is not None, "a manifest of family upscaler has its upscaler entry"
     path = weights_file(manifest, models_dir)
     descriptor = spandrel.ModelLoader().load_from_file(path)
     if not isinstance(descriptor, spandrel.ImageModelDescriptor):
         raise ValueError(f"model {manifest.id}: {path} is not an image-to-image model")
-    if descriptor.scale != spec.scale:
+    if descriptor.scale != manifest.scale:
         raise ValueError(
             f"model {manifest.id}: {path} is a {descriptor.scale}x {descriptor.architecture.name},"
-            f" and the manifest declares scale {spec.scale}"
+            f" and the manifest declares scale {manifest.scale}"
         )
     report = SettingsReport()
     # Half precision where the card and the architecture have it; fp32 on a CPU.
@@ -114,7 +106,7 @@ def load_upscaler(
     report.add("applied", "precision", why)
     before = dev.allocated_bytes(info)
     descriptor.to(torch.device(info.torch_device)).to(dtype).eval()
-    loaded = LoadedUpscaler(manifest, descriptor, dtype, report, tile=spec.tile)
+    loaded = LoadedUpscaler(manifest, descriptor, dtype, report, tile=manifest.tile or 512)
     if info.torch_device == "cpu":
         loaded.device_bytes = module_bytes(descriptor.model)
     else:
@@ -124,15 +116,31 @@ def load_upscaler(
 
 
 def weights_file(manifest: Manifest, models_dir: Path) -> str:
-    """The upscaler's file: in its local directory, else fetched from its hub repository."""
-    spec = manifest.upscaler
-    assert spec is not None
-    source = weights_source(manifest, models_dir, marker=spec.file)
-    if source.local:
-        return str(Path(source.location) / spec.file)
+    """The upscaler's file: a path (absolute, or under models_dir), else owner/repo/file on the
+    hub (fetched into its cache, or found there); FileNotFoundError naming both places."""
+    local = hub_file(manifest, models_dir)
+    if isinstance(local, Path):
+        return str(local)
     from huggingface_hub import hf_hub_download
 
-    return str(hf_hub_download(source.location, spec.file, revision=manifest.revision))
+    repo, name = local
+    return str(hf_hub_download(repo, name, revision=manifest.revision))
+
+
+def hub_file(manifest: Manifest, models_dir: Path) -> Path | tuple[str, str]:
+    """Where an upscaler's source is: a local file, or (hub repo, file in it)."""
+    path = Path(manifest.source).expanduser()
+    path = path if path.is_absolute() else models_dir / path
+    if path.is_file():
+        return path
+    parts = manifest.source.split("/")
+    if Path(manifest.source).is_absolute() or len(parts) < 3:
+        hint = " (build it: `kiln tiny-models`)" if manifest.id.startswith("tiny-") else ""
+        raise FileNotFoundError(
+            f"model {manifest.id}: source {manifest.source!r} is no file at {path}, nor"
+            f" owner/repo/file on the hub{hint}"
+        )
+    return "/".join(parts[:2]), "/".join(parts[2:])
 
 
 class Upscalers:
@@ -209,7 +217,7 @@ def _run(loaded: LoadedUpscaler, image: Image.Image, tile: int) -> Image.Image:
     pixels = torch.from_numpy(numpy.asarray(image.convert("RGB"), dtype=numpy.float32) / 255.0)
     batch = pixels.permute(2, 0, 1)[None].to(model.device, loaded.dtype)
     with torch.inference_mode():
-        result = tiled(model, batch, model.scale, tile, loaded.spec.overlap)
+        result = tiled(model, batch, model.scale, tile, loaded.manifest.tile_overlap)
     array = (result[0].float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255.0).round()
     return Image.fromarray(array.astype(numpy.uint8), "RGB")
 
