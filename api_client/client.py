@@ -62,6 +62,8 @@ class ModelInfo:
     @property
     def default_eta_s(self) -> float | None:
         """Seconds one default job renders in, by the measured fit."""
+        if not self.manifest.resolutions:  # an upscaler: each job is its image's size
+            return None
         fit = self.fits.get(self.manifest.default_size)
         return None if fit is None else fit.eta(self.manifest.steps.default)
 

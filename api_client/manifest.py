@@ -479,6 +479,7 @@ class Manifest(_Strict):
 
     @property
     def default_size(self) -> tuple[int, int]:
+        """A diffusion model's first resolution (an upscaler has none: check resolutions)."""
         return self.resolutions[0]
 
 

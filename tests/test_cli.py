@@ -185,6 +185,7 @@ def test_tiny_models_verb_builds_into_a_directory(tmp_path: Path, kiln_env: dict
     assert done.returncode == 0, done.stderr
     for family in TINY_FAMILIES:
         assert (tmp_path / "m" / f"tiny-{family}" / "model_index.json").is_file()
+    assert (tmp_path / "m" / "tiny-upscaler" / "tiny-upscaler-x2.safetensors").is_file()
     assert time.perf_counter() - started < 120  # generous: a cold interpreter imports diffusers
 
 

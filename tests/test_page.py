@@ -296,3 +296,51 @@ def test_a_step_cache_is_offered_where_the_model_has_one(
         "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", drafted
     )
     assert sent["step_cache"] is True, sent
+
+
+def test_an_upscale_a_control_and_a_hires_pass_from_the_form(
+    page: Any, gateway: Any, redis_conn: Redis, settings: Any, tmp_path: Path
+) -> None:
+    """An upscaler's form is the image alone (no prompt, no sampling); tiny-sd15's offers its
+    ControlNets (the image uploaded, Canny asked of the worker) and a hires pass, sent as the
+    request's controls and hires and rendered at twice the size."""
+    from tests.test_controls import square_png
+
+    picture = tmp_path / "square.png"
+    picture.write_bytes(square_png())
+    log_in(page, gateway)
+    Select(field(page, "model")).select_by_value("tiny-upscaler")
+    wait(page, lambda d: not field(d, "prompt").is_displayed(), "the prompt hidden")
+    field(page, "image").send_keys(str(picture))
+    upscaled = submit(page)
+    Select(field(page, "model")).select_by_value(MODEL)
+    wait(page, lambda d: field(d, "prompt").is_displayed(), "the prompt back")
+    fill(page, "prompt", "a lighthouse, traced")
+    fill(page, "steps", "4")
+    Select(field(page, "control_name")).select_by_value("canny")
+    field(page, "control_image").send_keys(str(picture))
+    field(page, "control_canny").click()
+    page.find_element(By.CSS_SELECTOR, "details.more summary").click()
+    Select(field(page, "hires_scale")).select_by_value("2")
+    Select(field(page, "hires_upscaler")).select_by_value("tiny-upscaler")
+    traced = submit(page)
+    models = [MODEL, "tiny-upscaler"]
+    burst(redis_conn, make_renderer(settings, models), models)
+    for job in (upscaled, traced):
+        finished(page, job)
+    sizes = page.execute_script(
+        "return [...document.querySelectorAll(`img[data-job-id]`)].map("
+        "(i) => [i.dataset.jobId, i.naturalWidth]);"
+    )
+    assert [upscaled, 256] in sizes and [traced, 256] in sizes, sizes
+    sent = page.execute_script(
+        "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", traced
+    )
+    [control] = sent["controls"]
+    assert control["name"] == "canny" and control["preprocess"] == "canny"
+    assert control["image"].startswith("kiln-input:")
+    assert sent["hires"] == {"scale": 2, "upscaler": "tiny-upscaler"}
+    alone = page.execute_script(
+        "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", upscaled
+    )
+    assert alone["mode"] == "upscale" and "prompt" not in alone, alone

@@ -37,7 +37,8 @@ def test_the_tables_are_the_contracts_names() -> None:
     from worker.pipelines.tiny import TINY_FAMILIES
 
     assert rungs.names() == RUNGS
-    assert set(SPECS) == set(get_args(Family))
+    # Every diffusion family has a spec; an upscaler is no pipeline (worker.pipelines.upscale).
+    assert set(SPECS) == set(get_args(Family)) - {"upscaler"}
     untested = [
         f for f, spec in SPECS.items() if all(SPECS.get(t) is not spec for t in TINY_FAMILIES)
     ]

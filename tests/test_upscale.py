@@ -164,7 +164,9 @@ def test_a_hires_pass_returns_scale_times_the_size_in_two_passes(
     base = {"model": "tiny-sd15", "prompt": "a fox", "steps": 4, "seed": 3}
     plain = client.submit(base)
     latent = client.submit({**base, "hires": {"scale": 1.5}})
-    model = client.submit({**base, "hires": {"scale": 2, "upscaler": UPSCALER, "steps": 2, "strength": 0.5}})
+    model = client.submit(
+        {**base, "hires": {"scale": 2, "upscaler": UPSCALER, "steps": 2, "strength": 0.5}}
+    )
     flux = client.submit(
         {"model": "tiny-flux", "prompt": "a fox", "steps": 3, "hires": {"scale": 1.5}}
     )

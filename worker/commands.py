@@ -299,7 +299,8 @@ def _model_json(info: Any) -> dict[str, Any]:
         "modes": list(info.manifest.modes),
         "loras": sorted(info.manifest.loras),
         "default_steps": info.manifest.steps.default,
-        "default_size": list(info.manifest.default_size),
+        # An upscaler has none: each job is its image's size.
+        "default_size": list(info.manifest.default_size) if info.manifest.resolutions else None,
         "workers": info.workers,
         "resident_on": info.resident_on,
         "eta_s": info.default_eta_s,

@@ -37,7 +37,10 @@ def default_request(manifest: Manifest) -> dict[str, int]:
 
 
 def next_job_eta(connection: Redis, manifest: Manifest) -> float | None:
-    """Seconds until a default job of this model, submitted now, would have its result."""
+    """Seconds until a default job of this model, submitted now, would have its result; None
+    for an upscaler (no default job: each is its image's size)."""
+    if not manifest.resolutions:
+        return None
     job = JobSummary(
         id=NEXT_JOB_ID,
         status="queued",

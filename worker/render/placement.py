@@ -134,8 +134,8 @@ class Planner:
         and while any model's need is only the manifest's estimate (that one is tried)."""
         needs = {}
         for manifest in self.manifests.values():
-            if manifest.benchmark_only:
-                continue
+            if manifest.benchmark_only or manifest.family == "upscaler":
+                continue  # an upscaler halves its tiles to fit: it never blocks the worker
             need = lowest_need_gb(self.peaks, manifest.id)
             if need is None:  # an estimate only: no memory probe before every dequeue
                 return None

@@ -5,7 +5,12 @@
 
 const END_STATUSES = new Set(["finished", "failed", "stopped", "canceled", "quarantined"]);
 const END_EVENTS = { done: "finished", failed: "failed", stopped: "stopped" };
-const INPUT_MODES = { img2img: ["image"], inpaint: ["image", "mask"], edit: ["image"] };
+const INPUT_MODES = {
+  img2img: ["image"],
+  inpaint: ["image", "mask"],
+  edit: ["image"],
+  upscale: ["image"], // an upscaler's one mode: the image, no prompt
+};
 const STRENGTH_MODES = new Set(["img2img", "inpaint"]); // edit denoises from noise: no strength
 const UPLOAD_TYPES = new Set(["image/png", "image/jpeg", "image/webp"]);
 // Each EventSource holds one of the browser's six HTTP/1.1 connections to this host: watch a
@@ -189,6 +194,22 @@ function applyManifest() {
   document.getElementById("step_cache-field").hidden = !manifest.step_cache;
   f.step_cache.value = "";
 
+  // A ControlNet where the manifest lists some; a hires pass where the model has img2img.
+  const controls = Object.keys(manifest.controlnets || {});
+  f.control_name.replaceChildren(
+    el("option", { value: "", text: "none" }),
+    ...controls.map((name) => el("option", { value: name, text: name })),
+  );
+  document.getElementById("controls-field").dataset.offered = controls.length ? "yes" : "";
+  const upscalers = [...state.models.values()]
+    .filter((other) => other.manifest.family === "upscaler")
+    .map((other) => other.manifest.id);
+  f.hires_upscaler.replaceChildren(
+    el("option", { value: "latent", text: "its latents" }),
+    ...upscalers.map((id) => el("option", { value: id, text: id })),
+  );
+  f.hires_scale.value = "";
+
   f.previews.checked = Boolean(manifest.taesd);
   f.previews.disabled = !manifest.taesd;
   document.getElementById("previews-hint").textContent = manifest.taesd
@@ -227,11 +248,21 @@ function syncSize() {
 }
 
 function updateModeFields() {
-  const mode = form.elements.mode.value || "txt2img";
+  const f = form.elements;
+  const mode = f.mode.value || "txt2img";
   const inputs = INPUT_MODES[mode] || [];
   document.getElementById("image-field").hidden = !inputs.includes("image");
   document.getElementById("mask-field").hidden = !inputs.includes("mask");
   document.getElementById("strength-field").hidden = !STRENGTH_MODES.has(mode);
+  // An upscale is the image alone: no prompt, sampling, size or seed (the image's size).
+  const upscale = mode === "upscale";
+  for (const part of form.querySelectorAll(".diffusion")) part.hidden = upscale;
+  f.prompt.required = !upscale;
+  const controls = document.getElementById("controls-field");
+  controls.hidden = upscale || !controls.dataset.offered || mode === "edit";
+  const view = state.models.get(f.model.value);
+  const modes = view ? view.manifest.modes : [];
+  document.getElementById("hires-field").hidden = mode !== "txt2img" || !modes.includes("img2img");
 }
 
 function setInput(field, input) {
@@ -276,9 +307,12 @@ async function inputUri(field) {
 
 async function buildRequest() {
   const f = form.elements;
-  const request = { model: f.model.value, prompt: f.prompt.value };
-  if (f.negative_prompt.value) request.negative_prompt = f.negative_prompt.value;
-  for (const name of ["steps", "guidance", "width", "height", "seed", "num_images"]) {
+  const upscale = f.mode.value === "upscale";
+  const request = { model: f.model.value };
+  if (!upscale) request.prompt = f.prompt.value;
+  if (f.negative_prompt.value && !upscale) request.negative_prompt = f.negative_prompt.value;
+  const numbers = upscale ? ["num_images"] : ["steps", "guidance", "width", "height", "seed"];
+  for (const name of upscale ? numbers : [...numbers, "num_images"]) {
     const value = number(f[name]);
     if (value !== undefined) request[name] = value;
   }
@@ -303,6 +337,16 @@ async function buildRequest() {
   if (loras.length) request.loras = loras;
   if (!document.getElementById("step_cache-field").hidden && f.step_cache.value !== "") {
     request.step_cache = f.step_cache.value === "true";
+  }
+  if (!document.getElementById("controls-field").hidden && f.control_name.value) {
+    const file = f.control_image.files[0];
+    const control = { name: f.control_name.value, strength: Number(f.control_strength.value) };
+    if (file) control.image = await upload("controls", file, file.name);
+    if (f.control_canny.checked) control.preprocess = "canny";
+    request.controls = [control];
+  }
+  if (!document.getElementById("hires-field").hidden && f.hires_scale.value) {
+    request.hires = { scale: Number(f.hires_scale.value), upscaler: f.hires_upscaler.value };
   }
   request.priority = f.priority.value;
   request.output_format = f.output_format.value;
@@ -375,6 +419,13 @@ function errorTarget(field) {
   }
   if (field === "loras") {
     return { inputs: [...document.querySelectorAll("#loras input")], key: "loras" };
+  }
+  // controls.0.image, hires.scale, ...: the group's box, its inputs marked.
+  for (const group of ["controls", "hires"]) {
+    if (field === group || field.startsWith(`${group}.`)) {
+      const inputs = [...form.querySelectorAll(`[name^="${group.replace(/s$/, "")}_"]`)];
+      return { inputs, key: group };
+    }
   }
   const input = f.namedItem(field);
   if (!input || !input.name || input.closest("[hidden]")) return null;

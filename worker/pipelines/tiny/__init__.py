@@ -35,6 +35,7 @@ __all__ = [
     "BUILDER_VERSION",
     "STAMP_FILE",
     "TAESD_LATENTS",
+    "TINY_BUILDS",
     "TINY_FAMILIES",
     "build_tiny_models",
     "is_current",
@@ -61,7 +62,9 @@ _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
     # Not a pipeline: an ESRGAN file for spandrel (manifest tiny-upscaler, family upscaler).
     "upscaler": TinyUpscaler,
 }
-TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+# The tiny pipelines, one a family; and everything the build makes (tiny-upscaler as well).
+TINY_FAMILIES: tuple[str, ...] = tuple(f for f in _BUILDERS if f != "upscaler")
+TINY_BUILDS: tuple[str, ...] = tuple(_BUILDERS)
 
 # (latent channels, scaling, shift) as the family's TAESD expects: sd15/sdxl TAESDs read the
 # denoiser's latents as they are; SD3's mirrors its VAE's scale and shift. Families not named
@@ -71,7 +74,7 @@ _TAESD_SEED: Final = 40
 
 
 def build_tiny_models(
-    out_dir: Path, families: Iterable[str] = TINY_FAMILIES, *, force: bool = False
+    out_dir: Path, families: Iterable[str] = TINY_BUILDS, *, force: bool = False
 ) -> dict[str, Path]:
     """Build tiny-<family> pipelines (and tiny-upscaler) under out_dir (out_dir/tiny-sd15 ...).
 
@@ -81,7 +84,7 @@ def build_tiny_models(
     wanted = list(families)
     unknown = [f for f in wanted if f not in _BUILDERS]
     if unknown:
-        raise ValueError(f"families: unknown {unknown!r}; must be among {list(TINY_FAMILIES)!r}")
+        raise ValueError(f"families: unknown {unknown!r}; must be among {list(TINY_BUILDS)!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     built: dict[str, Path] = {}
