@@ -85,7 +85,9 @@ def run(url: str, suite_path: Path, started: float) -> int:
     suite = json.loads(suite_path.read_text())
     client = KilnClient(url, manifests_dir=settings.manifests)
     jobs = [client.submit(request) for request in suite["jobs"]]
-    models = sorted({request["model"] for request in suite["jobs"]})
+    # A hires pass's upscaler is a model its worker serves too.
+    upscalers = {(r.get("hires") or {}).get("upscaler") for r in suite["jobs"]} - {None, "latent"}
+    models = sorted({request["model"] for request in suite["jobs"]} | upscalers)
     console.print(f"[bold]queued[/]: {len(jobs)} jobs from {suite_path} on {len(models)} queues")
 
     # 4. One burst worker, its JSON log lines kept in run/worker.log.
