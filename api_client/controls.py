@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_client.errors import Problem, short
+from api_client.errors import Problem, named_entries, short
 from api_client.schema import MAX_CONTROLS, ControlChoice
 
 CONTROL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -164,18 +164,7 @@ def resolve_controls(
         problems.append(Problem("controls", f"{len(choices)} controls", rule))
         return None
     resolved: list[ControlChoice] = []
-    seen: set[str] = set()
-    for index, choice in enumerate(choices):
-        field = f"controls.{index}"
-        spec = controlnets.get(choice.name)
-        if spec is None:
-            allowed = ", ".join(sorted(controlnets))
-            problems.append(Problem(f"{field}.name", choice.name, f"must be one of {allowed}"))
-            continue
-        if choice.name in seen:
-            problems.append(Problem(f"{field}.name", choice.name, "is named twice"))
-            continue
-        seen.add(choice.name)
+    for field, choice, spec in named_entries(choices, controlnets, "controls", problems):
         before = len(problems)
         why = entry_refusal(family, spec)
         if why is not None:

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class Named(Protocol):
+    """A request's choice of a manifest's entry (a LoRA, a ControlNet), by name."""
+
+    @property
+    def name(self) -> str: ...
+
+
+C = TypeVar("C", bound=Named)
+T = TypeVar("T")
 
 # Longest a client-supplied value or key is echoed in an error, a record or a log line.
 ECHO_LIMIT = 200
@@ -32,6 +44,26 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{short(self.field)}={short(self.value)!r}: {short(self.rule, 4 * ECHO_LIMIT)}"
+
+
+def named_entries(
+    choices: Iterable[C], entries: Mapping[str, T], field: str, problems: list[Problem]
+) -> Iterator[tuple[str, C, T]]:
+    """A request's list of choices by name (loras, controls) against a manifest's entries: each
+    known one, named once, with its field ("loras.0") and entry; an unknown name or one named
+    twice is a problem instead."""
+    seen: set[str] = set()
+    for index, choice in enumerate(choices):
+        at = f"{field}.{index}"
+        entry = entries.get(choice.name)
+        if entry is None:
+            allowed = ", ".join(sorted(entries))
+            problems.append(Problem(f"{at}.name", choice.name, f"must be one of {allowed}"))
+        elif choice.name in seen:
+            problems.append(Problem(f"{at}.name", choice.name, "is named twice"))
+        else:
+            seen.add(choice.name)
+            yield at, choice, entry
 
 
 class KilnError(Exception):

@@ -9,7 +9,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_client.errors import Problem
+from api_client.errors import Problem, named_entries
 from api_client.schema import MAX_LORAS, LoraChoice
 
 LORA_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -67,18 +67,7 @@ def resolve_loras(
         problems.append(Problem("loras", names, f"model {model}'s manifest allows no loras"))
         return None
     resolved: list[LoraChoice] = []
-    seen: set[str] = set()
-    for index, choice in enumerate(choices):
-        field = f"loras.{index}"
-        spec = loras.get(choice.name)
-        if spec is None:
-            allowed = ", ".join(sorted(loras))
-            problems.append(Problem(f"{field}.name", choice.name, f"must be one of {allowed}"))
-            continue
-        if choice.name in seen:
-            problems.append(Problem(f"{field}.name", choice.name, "is named twice"))
-            continue
-        seen.add(choice.name)
+    for field, choice, spec in named_entries(choices, loras, "loras", problems):
         weight = spec.default_weight if choice.weight is None else choice.weight
         if not math.isfinite(weight) or abs(weight) > MAX_WEIGHT:
             rule = f"must be between -{MAX_WEIGHT:g} and {MAX_WEIGHT:g}"
