@@ -238,11 +238,22 @@ DIFFUSION_ONLY = (
 )
 # An upscaler runs one forward pass over the image and is guided by nothing: its steps and
 # guidance, which every manifest has, are these, and a request may not set either.
-UPSCALER_STEPS = {"default": 1, "max": 1}
-UPSCALER_GUIDANCE = {"default": 0.0, "max": 0.0}
+UPSCALER_STEPS: dict[str, float] = {"default": 1, "max": 1}
+UPSCALER_GUIDANCE: dict[str, float] = {"default": 0.0, "max": 0.0}
 UPSCALER_TILE = 512  # input pixels a tile starts at (Real-ESRGAN's scripts use 400-512)
 # The files spandrel reads: safetensors, or a pickled state dict (read with weights_only).
 UPSCALER_FILES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+
+
+def _same(given: Any, fixed: dict[str, float] | None) -> bool:
+    """Whether a given steps or guidance range is an upscaler's fixed one (as dumped)."""
+    if fixed is None:
+        return False
+    if isinstance(given, BaseModel):
+        given = given.model_dump()
+    return isinstance(given, dict) and {k: float(v) for k, v in given.items()} == {
+        k: float(v) for k, v in fixed.items()
+    }
 
 
 class Manifest(_Strict):
@@ -309,7 +320,16 @@ class Manifest(_Strict):
         the fields of a diffusion pipeline are refused on it, naming each."""
         if not isinstance(data, dict) or data.get("family") != "upscaler":
             return data
-        present = [name for name in DIFFUSION_ONLY if data.get(name)]
+        fixed: dict[str, dict[str, float]] = {
+            "steps": UPSCALER_STEPS,
+            "guidance": UPSCALER_GUIDANCE,
+        }
+        # A manifest read back from its own dump (Redis, the API) carries the fixed values.
+        present = [
+            name
+            for name in DIFFUSION_ONLY
+            if data.get(name) and not _same(data[name], fixed.get(name))
+        ]
         if present:
             raise ValueError(
                 f"{', '.join(present)}: a diffusion pipeline's fields; an upscaler has none"

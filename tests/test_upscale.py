@@ -127,6 +127,8 @@ def test_upscaler_manifests_hold_no_diffusion_fields(tmp_path: Any) -> None:
     base = {"id": "u", "family": "upscaler", "source": "owner/repo/x4.pth", "scale": 4}
     upscaler = Manifest.model_validate(base)
     assert upscaler.modes == ["upscale"] and upscaler.steps.max == 1 and upscaler.tile == 512
+    # As workers publish it and clients read it back: its fixed steps and guidance pass.
+    assert Manifest.model_validate_json(upscaler.model_dump_json()) == upscaler
     [fetch] = fetches(upscaler, tmp_path)
     assert (fetch.repo, fetch.allow_patterns) == ("owner/repo", ["x4.pth"])
     with pytest.raises(ValidationError, match="loras: a diffusion pipeline's fields"):
@@ -218,3 +220,35 @@ def test_hires_requests_are_refused_naming_field_value_and_rule(
     with pytest.raises(RequestRejected, match="a hires pass follows txt2img only"):
         client.submit({**base, "image": client.upload(png()), "hires": {"scale": 2}})
     assert redis_conn.keys("rq:job:*") == []
+
+
+def test_a_hires_image_and_an_upscaled_one_replay_from_their_details(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """The details carry the hires pass (and A1111's hires fields) and an upscale's mode and
+    input: replaying each renders the same pixels."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from worker.files.details import read_details
+
+    client = client_for(redis_conn, settings)
+    models = ["tiny-sd15", UPSCALER]
+    hires = client.submit(
+        {"model": "tiny-sd15", "prompt": "a fox", "steps": 4, "seed": 9, "hires": {"scale": 1.5}}
+    )
+    upscaled = client.submit({"model": UPSCALER, "image": client.upload(png(seed=6))})
+    burst(redis_conn, make_renderer(settings, models), models)
+    firsts = [job.wait(timeout=5).images[0].path for job in (hires, upscaled)]
+    assert all(firsts)
+    details = [read_details(Path(str(path))) for path in firsts]
+    assert details[0].hires is not None and details[0].hires.upscaler == "latent"
+    assert details[1].mode == "upscale" and [i.field for i in details[1].inputs] == ["image"]
+    with Image.open(str(firsts[0])) as image:
+        text = image.text["parameters"]
+    assert "Hires upscale: 1.5" in text and "Hires upscaler: Latent" in text, text
+    again = [client.submit(d.replay_request().model_dump(exclude_none=True)) for d in details]
+    burst(redis_conn, make_renderer(settings, models), models)
+    for job, first in zip(again, firsts, strict=True):
+        assert np.array_equal(pixels(job.wait(timeout=5).images[0].path), pixels(first))

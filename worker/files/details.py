@@ -30,6 +30,7 @@ from api_client.schema import (
     MAX_LORAS,
     ControlChoice,
     ControlReport,
+    HiresRequest,
     LoraChoice,
     Mode,
     OutputFormat,
@@ -107,6 +108,8 @@ class ImageDetails(BaseModel):
     # Its controls; each one's image is among the inputs (controls.<i>.image), as given, before
     # the worker's preprocess.
     controls: list[ControlReport] = Field(default_factory=list, max_length=MAX_CONTROLS)
+    # A hires pass (its defaults filled in): the image is its scale of width x height.
+    hires: HiresRequest | None = None
 
     def replay_request(self) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
@@ -153,6 +156,7 @@ class ImageDetails(BaseModel):
                 for i, c in enumerate(self.controls)
             ]
             or None,
+            hires=self.hires,
         )
 
 
@@ -199,6 +203,7 @@ def image_details(
         strength=request.strength,
         step_cache=cached,
         controls=[ControlReport.of(choice) for choice in request.controls or []],
+        hires=request.hires,
     )
 
 
@@ -248,6 +253,14 @@ def parameters_text(details: ImageDetails) -> str:
         fields.append(("True CFG scale", details.true_cfg))
     if details.step_cache is not None:
         fields.append(("Step cache", details.step_cache))
+    if details.hires is not None:  # A1111's hires fix fields, in its words
+        hires = details.hires
+        fields.append(("Denoising strength", hires.strength))
+        fields.append(("Hires upscale", hires.scale))
+        fields.append(("Hires steps", hires.steps))
+        fields.append(
+            ("Hires upscaler", "Latent" if hires.upscaler == "latent" else hires.upscaler)
+        )
     # The layout A1111's ControlNet extension writes, one quoted field per unit.
     for i, c in enumerate(details.controls):
         unit = (
