@@ -109,6 +109,7 @@ def test_flux_controls_in_txt2img_and_strength_0_is_no_control(
         assert not np.array_equal(shown[0], shown[2])
 
 
+@pytest.mark.slow  # ten SDXL renders (18 s): make test keeps under 12 minutes; CI runs it
 def test_sdxl_union_controls_in_every_mode_and_strength_0_is_no_control(
     redis_conn: Redis, settings: Any
 ) -> None:
