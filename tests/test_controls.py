@@ -437,3 +437,15 @@ def test_kiln_pull_fetches_a_union_controlnet_once(tmp_path: Path) -> None:
             "diffusion_pytorch_model.safetensors.index.json",
         ]
     ]
+
+
+def test_the_client_s_control_modes_are_the_worker_s_pipelines() -> None:
+    """api_client.controls.CONTROL_MODES (what a request may ask, no torch) and each family's
+    control pipelines in the worker name the same modes."""
+    from api_client.controls import CONTROL_MODES
+    from worker.pipelines.families import SPECS
+
+    for family, spec in SPECS.items():
+        control = spec.control
+        served = set(control.pipelines) if control is not None else set()
+        assert served == set(CONTROL_MODES.get(family, ())), family
