@@ -160,12 +160,6 @@ class Upscalers:
         while len(self._kept) > KEPT:
             self._kept.popitem(last=False)
 
-    def drop(self, model_id: str) -> None:
-        self._kept.pop(model_id, None)
-
-    def resident_bytes(self) -> int:
-        return sum(u.device_bytes for u in self._kept.values())
-
 
 def upscale(
     loaded: LoadedUpscaler,
