@@ -20,7 +20,9 @@ TINY = [
     "--jobs", "2", "--warmup", "1", "--watchers", "20", "--watch-jobs", "3",
     "--events", "3", "--intervals", "0.1,0.02", "--starts", "1",
 ]  # fmt: skip
-BOUND_S = 60  # 20 s on the shared 2 cores at load 5: a worker start, three gateway starts, 6 jobs
+# A hang guard, not a speed goal. 17 s alone on the 2 cores; over 60 s in a clean-clone CI run
+# beside the soak and the kill drills, its worker importing the CUDA torch build cold from disk.
+BOUND_S = 300
 
 
 @pytest.mark.slow
