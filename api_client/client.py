@@ -178,14 +178,16 @@ class KilnClient:
         return request.model_copy(update={"width": found.width, "height": found.height})
 
     def _input_problems(self, request: RenderRequest) -> list[Problem]:
-        """The image, mask and control images read where the client can (uploads, data: URLs):
-        an image, not too big, the job's size (kiln never resizes an input), the mask the
-        image's size."""
+        """The image, mask, control and reference images read where the client can (uploads,
+        data: URLs): an image, not too big, the job's size (kiln never resizes an input), the
+        mask the image's size; a reference any size (its IP-Adapter's encoder resizes it)."""
         problems: list[Problem] = []
         sizes: dict[str, inputs.InputImage] = {}
         stores: list[str] | None = None
         given = [("image", request.image), ("mask", request.mask)]
         given += [(f"controls.{i}.image", c.image) for i, c in enumerate(request.controls or [])]
+        if request.reference is not None:  # any size: its image encoder resizes it
+            given.append(("reference.image", request.reference.image))
         for name, value in given:
             if value is None:
                 continue
@@ -205,7 +207,9 @@ class KilnClient:
             if data is not None:
                 sizes[name] = inputs.inspect_image(data, name, max_bytes=self._max_bytes)
         for name, found in sizes.items():
-            if name != "mask" and (found.width, found.height) != (request.width, request.height):
+            if name in ("mask", "reference.image"):
+                continue
+            if (found.width, found.height) != (request.width, request.height):
                 size = f"{request.width}x{request.height}"
                 rule = f"must be the job's size, {size} (kiln never resizes an input)"
                 problems.append(Problem(name, f"{found.width}x{found.height}", rule))

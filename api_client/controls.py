@@ -215,14 +215,9 @@ def parse_control_flag(text: str) -> ControlChoice:
     name, sep, rest = text.partition(":")
     if not name or not sep or not rest:
         raise ValueError(f"--control {short(text)!r}: must be NAME:PATH or NAME:PATH:STRENGTH")
-    path, strength = rest, None
-    head, colon, tail = rest.rpartition(":")
-    if colon and head:
-        try:
-            strength = float(tail)
-            path = head
-        except ValueError:
-            path = rest  # a path with a colon in it, and no strength
+    from api_client.inputs import path_and_strength
+
+    path, strength = path_and_strength(rest)
     return ControlChoice(name=name, image=path, strength=strength)
 
 

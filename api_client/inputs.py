@@ -343,6 +343,18 @@ def parse_ref(value: str, field: str = "image") -> InputRef:
     raise InputRefused(Problem(field, shown, rule))
 
 
+def path_and_strength(text: str) -> tuple[str, float | None]:
+    """A flag's PATH[:STRENGTH] (`--control NAME:PATH:0.5`, `--reference PATH:0.5`): a path may
+    hold colons, so a last part that is no number belongs to the path."""
+    head, colon, tail = text.rpartition(":")
+    if colon and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass
+    return text, None
+
+
 def within_store(ref: InputRef, store_location: str) -> bool:
     """Whether an s3:// or file:// reference lies inside store_location (KILN_OUTPUT_URL: a
     directory, file:// or s3://bucket/prefix). Lexical only, for the client: the worker also

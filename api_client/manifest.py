@@ -25,6 +25,7 @@ from pydantic import (
 from api_client.controls import ControlNetSpec, check_control_names, control_refusal
 from api_client.errors import Problem
 from api_client.loras import LoraSpec, check_lora_names
+from api_client.references import IPAdapterSpec, reference_refusal
 from api_client.schema import (
     Mode,
     Rung,
@@ -235,6 +236,7 @@ DIFFUSION_ONLY = (
     "loras",
     "step_cache",
     "controlnets",
+    "ip_adapter",
 )
 # An upscaler runs one forward pass over the image and is guided by nothing: its steps and
 # guidance, which every manifest has, are these, and a request may not set either.
@@ -304,6 +306,9 @@ class Manifest(_Strict):
     # ControlNets a request may name, loaded beside the resident pipeline at a job's first use
     # (api_client.controls; worker.pipelines.control).
     controlnets: dict[str, ControlNetSpec] = Field(default_factory=dict)
+    # The IP-Adapter a request's reference image runs through, loaded beside the resident
+    # pipeline at a job's first use (api_client.references; worker.pipelines.reference).
+    ip_adapter: IPAdapterSpec | None = None
     # family upscaler (mode upscale; a hires pass's upscaler), whose source is one file: the
     # native scale (checked against what spandrel finds in it), the tile it starts at and the
     # overlap between tiles, in input pixels (out of memory halves the tile).
@@ -380,6 +385,16 @@ class Manifest(_Strict):
         if why is not None:
             raise ValueError(why)
         return check_control_names(controlnets, family)
+
+    @field_validator("ip_adapter")
+    @classmethod
+    def _ip_adapter_runs_here(
+        cls, spec: IPAdapterSpec | None, info: ValidationInfo
+    ) -> IPAdapterSpec | None:
+        why = reference_refusal(info.data.get("family") or "") if spec else None
+        if why is not None:
+            raise ValueError(why)
+        return spec
 
     @field_validator("true_cfg")
     @classmethod

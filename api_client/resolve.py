@@ -11,6 +11,7 @@ from api_client.controls import resolve_controls
 from api_client.errors import Problem, RequestRejected, short
 from api_client.loras import resolve_loras
 from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest, partway_refusal
+from api_client.references import resolve_reference
 from api_client.schema import (
     MAX_IMAGES,
     MAX_PROMPT_CHARS,
@@ -84,6 +85,9 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
     controls = resolve_controls(
         request.controls, manifest.controlnets, manifest.id, manifest.family, mode, problems
     )
+    reference = resolve_reference(
+        request.reference, manifest.ip_adapter, manifest.id, manifest.family, mode, problems
+    )
     hires = _hires(request, manifest, mode, (width, height), problems)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
@@ -97,6 +101,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             "strength": strength,
             "loras": loras,
             "controls": controls,
+            "reference": reference,
             "hires": hires,
             "width": width,
             "height": height,
@@ -266,6 +271,7 @@ def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderReques
         "strength": request.strength is not None,
         "loras": bool(request.loras),
         "controls": bool(request.controls),
+        "reference": request.reference is not None,
         "hires": request.hires is not None,
         "previews": request.previews,
         "rung": request.rung not in (None, "full"),

@@ -70,6 +70,17 @@ class ControlChoice(BaseModel):
     preprocess: Literal["none", "canny"] | None = None
 
 
+class ReferenceChoice(BaseModel):
+    """A reference image for the manifest's IP-Adapter: an input uri (any size: the adapter's
+    image encoder resizes and crops it to its own) and how strongly it steers (0-2, default 1;
+    0 renders what no reference renders)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    image: str
+    strength: float | None = None
+
+
 class HiresRequest(BaseModel):
     """A hires pass (A1111's hires fix): the image rendered at the request's size, made scale
     times larger by an upscaler manifest's model (or its latents, upscaler "latent"), then run
@@ -111,6 +122,8 @@ class RenderRequest(BaseModel):
     loras: list[LoraChoice] | None = Field(default=None, max_length=MAX_LORAS)
     # ControlNets from the manifest's controlnets, each with its image (api_client.controls).
     controls: list[ControlChoice] | None = Field(default=None, max_length=MAX_CONTROLS)
+    # A reference image through the manifest's IP-Adapter (api_client.references).
+    reference: ReferenceChoice | None = None
     # A second, larger pass after the first (HiresRequest).
     hires: HiresRequest | None = None
     num_images: int = 1
@@ -201,6 +214,7 @@ LATER_FIELDS = (
     "step_cache",
     "controls",
     "hires",
+    "reference",
 )
 
 
@@ -335,11 +349,26 @@ class RenderResult(BaseModel):
     finished_at: datetime
     step_cache: StepCacheReport | None = None  # when the job ran with a step cache
     controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
+    reference: ReferenceReport | None = None  # its IP-Adapter's, when it had a reference image
     # Denoising passes: 2 after a hires pass (its second pass adds to denoise and decode).
     passes: int = 1
     # sha256 of the resolved request this answers: a job id reused for another request is never
     # answered with these images (see request_digest).
     request_sha256: str | None = None
+
+
+class ReferenceReport(BaseModel):
+    """A reference image as a job ran it: its IP-Adapter strength. Its image is an input (image
+    details' inputs, reference.image)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    strength: float
+
+    @classmethod
+    def of(cls, choice: ReferenceChoice | None) -> ReferenceReport | None:
+        """A resolved request's reference (its strength filled in), or None."""
+        return None if choice is None else cls(strength=float(choice.strength or 0.0))
 
 
 class Progress(BaseModel):

@@ -1,7 +1,8 @@
 """ControlNets, upscalers and hires passes, measured (issue 30 item 7), side by side in one run
 through kiln's own renderer, each pipeline resident and warm before anything is timed:
 
-- a ControlNet's extra time per step: the same job with 0, 1 and 2 controls (per model);
+- a ControlNet's extra time per step: the same job with 0, 1 and 2 controls (per model), and an
+  IP-Adapter's: the same job with a reference image (where the manifest names an adapter);
 - an upscaler's seconds per megapixel, at several input sizes;
 - a hires pass against a direct render at its final size: the same model, steps and seed.
 
@@ -58,21 +59,32 @@ def _median(results: list[Any], phase: str) -> float:
 
 
 def controls(renderer: Any, model: str, steps: int, repeats: int) -> dict[str, Any]:
-    """Per-step denoise seconds with no control, one, and two (where the manifest has two)."""
+    """Per-step denoise seconds with no control, one, two (where the manifest has two), and a
+    reference image through the IP-Adapter (where the manifest names one)."""
     manifest = renderer.manifests[model]
     width, height = manifest.resolutions[0]
     image = _data_url(_png(width, height, 1))
     names = sorted(manifest.controlnets)[:2]
-    sets = {"none": []} | {f"{n} control(s)": names[:n] for n in (1, 2) if len(names) >= n}
+    sets: dict[str, dict[str, Any]] = {"none": {}}
+    for count in (1, 2):
+        if len(names) >= count:
+            chosen = [{"name": name, "image": image} for name in names[:count]]
+            sets[f"{count} control(s)"] = {"controls": chosen}
     if manifest.family in ("flux", "qwenimage", "zimage", "sd3"):
         sets.pop("2 control(s)", None)  # one control a job is what those tests cover
+    if manifest.ip_adapter is not None:
+        sets["reference"] = {"reference": {"image": _data_url(_png(256, 256, 2))}}
     row: dict[str, Any] = {"model": model, "steps": steps, "size": f"{width}x{height}"}
     base = {"model": model, "prompt": "a lighthouse at dusk", "steps": steps, "seed": 1}
-    for label, chosen in sets.items():
-        request = {**base, "controls": [{"name": n, "image": image} for n in chosen] or None}
-        _render(renderer, request)  # warm: the ControlNet's load and first call
-        done = [_render(renderer, request) for _ in range(repeats)]
-        row[f"{label} s/step"] = round(_median(done, "denoise") / steps, 4)
+    runs: dict[str, list[Any]] = {}
+    for label, extra in sets.items():
+        request = {**base, **extra}
+        _render(renderer, request)  # warm: the ControlNet's or adapter's load and first call
+        runs[label] = [_render(renderer, request) for _ in range(repeats)]
+        row[f"{label} s/step"] = round(_median(runs[label], "denoise") / steps, 4)
+    if "reference" in runs:  # the image encoder's pass is in text_encode
+        for label in ("none", "reference"):
+            row[f"{label} text_encode s"] = round(_median(runs[label], "text_encode"), 4)
     plain = row["none s/step"]
     for label in sets:
         if label != "none":

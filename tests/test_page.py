@@ -298,12 +298,13 @@ def test_a_step_cache_is_offered_where_the_model_has_one(
     assert sent["step_cache"] is True, sent
 
 
-def test_an_upscale_a_control_and_a_hires_pass_from_the_form(
+def test_an_upscale_a_control_a_reference_and_a_hires_pass_from_the_form(
     page: Any, gateway: Any, redis_conn: Redis, settings: Any, tmp_path: Path
 ) -> None:
     """An upscaler's form is the image alone (no prompt, no sampling); tiny-sd15's offers its
-    ControlNets (the image uploaded, Canny asked of the worker) and a hires pass, sent as the
-    request's controls and hires and rendered at twice the size."""
+    ControlNets (the image uploaded, Canny asked of the worker), its IP-Adapter's reference
+    image and a hires pass, sent as the request's controls, reference and hires and rendered
+    at twice the size."""
     from tests.test_controls import square_png
 
     picture = tmp_path / "square.png"
@@ -311,6 +312,7 @@ def test_an_upscale_a_control_and_a_hires_pass_from_the_form(
     log_in(page, gateway)
     Select(field(page, "model")).select_by_value("tiny-upscaler")
     wait(page, lambda d: not field(d, "prompt").is_displayed(), "the prompt hidden")
+    assert not field(page, "reference_image").is_displayed()
     field(page, "image").send_keys(str(picture))
     upscaled = submit(page)
     Select(field(page, "model")).select_by_value(MODEL)
@@ -320,6 +322,8 @@ def test_an_upscale_a_control_and_a_hires_pass_from_the_form(
     Select(field(page, "control_name")).select_by_value("canny")
     field(page, "control_image").send_keys(str(picture))
     field(page, "control_canny").click()
+    field(page, "reference_image").send_keys(str(picture))
+    fill(page, "reference_strength", "0.6")
     page.find_element(By.CSS_SELECTOR, "details.more summary").click()
     Select(field(page, "hires_scale")).select_by_value("2")
     Select(field(page, "hires_upscaler")).select_by_value("tiny-upscaler")
@@ -339,6 +343,8 @@ def test_an_upscale_a_control_and_a_hires_pass_from_the_form(
     [control] = sent["controls"]
     assert control["name"] == "canny" and control["preprocess"] == "canny"
     assert control["image"].startswith("kiln-input:")
+    assert sent["reference"]["strength"] == 0.6
+    assert sent["reference"]["image"].startswith("kiln-input:")
     assert sent["hires"] == {"scale": 2, "upscaler": "tiny-upscaler"}
     alone = page.execute_script(
         "return JSON.parse(localStorage['kiln.requests'])[arguments[0]].request", upscaled

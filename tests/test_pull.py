@@ -116,8 +116,17 @@ def test_a_pull_takes_only_the_variant_of_the_components_the_pipeline_loads(
     settings: Any,
 ) -> None:
     sdxl = load_manifests(settings.manifests, ["sdxl-base"])["sdxl-base"]
-    [pipeline, taesd, union] = fetches(sdxl, settings.models_dir)
+    [pipeline, taesd, union, adapter] = fetches(sdxl, settings.models_dir)
     assert union.repo == "xinsir/controlnet-union-sdxl-1.0"
+    # The IP-Adapter's weights and its image encoder: one repository, one fetch of three files.
+    assert (adapter.repo, adapter.allow_patterns) == (
+        "h94/IP-Adapter",
+        [
+            "sdxl_models/ip-adapter_sdxl_vit-h.safetensors",
+            "models/image_encoder/config.json",
+            "models/image_encoder/model.safetensors",
+        ],
+    )
     assert (pipeline.repo, taesd.repo) == (sdxl.source, "madebyollin/taesdxl")
     assert taesd.allow_patterns == ["config.json", "diffusion_pytorch_model.safetensors"]
     # Before model_index.json is read: every folder, fp16 weights only, no top-level checkpoint.

@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         "--lora",
         dest="loras",
         action="append",
-        type=commands.lora_flag,
+        type=commands.request_flag("api_client.loras", "parse_lora_flag"),
         metavar="NAME[:WEIGHT]",
         help="an adapter the manifest allows, at its default weight or WEIGHT (repeatable)",
     )
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "--control",
         dest="controls",
         action="append",
-        type=commands.control_flag,
+        type=commands.request_flag("api_client.controls", "parse_control_flag"),
         metavar="NAME:PATH[:STRENGTH]",
         help="a ControlNet the manifest allows, steered by the image at PATH (a local file,"
         " uploaded, or a kiln-input: uri; the job's size) at STRENGTH 0-2 (default 1);"
@@ -134,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "canny"],
         help="what the worker computes from each --control image first (default none: the image"
         " is the map; canny: its edges)",
+    )
+    submit.add_argument(
+        "--reference",
+        type=commands.request_flag("api_client.references", "parse_reference_flag"),
+        metavar="PATH[:STRENGTH]",
+        help="a reference image through the manifest's IP-Adapter (a local file, uploaded, or a"
+        " kiln-input: uri; any size) at STRENGTH 0-2 (default 1)",
     )
     submit.add_argument(
         "--hires",

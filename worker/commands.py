@@ -21,24 +21,22 @@ def _client() -> Any:
     return KilnClient.from_env()
 
 
-def lora_flag(text: str) -> dict[str, Any]:
-    """`submit --lora NAME[:WEIGHT]`, checked as the request will be."""
-    from api_client.loras import parse_lora_flag
+def request_flag(module: str, parser: str) -> Any:
+    """An argparse type for a request flag (`--lora NAME[:WEIGHT]`, `--control
+    NAME:PATH[:STRENGTH]`, `--reference PATH[:STRENGTH]`): api_client's parser of it, checked as
+    the request will be, imported when the flag is read."""
 
-    try:
-        return parse_lora_flag(text).model_dump(exclude_none=True)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def parsed(text: str) -> dict[str, Any]:
+        import importlib
 
+        try:
+            choice = getattr(importlib.import_module(module), parser)(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        result: dict[str, Any] = choice.model_dump(exclude_none=True)
+        return result
 
-def control_flag(text: str) -> dict[str, Any]:
-    """`submit --control NAME:PATH[:STRENGTH]`, checked as the request will be."""
-    from api_client.controls import parse_control_flag
-
-    try:
-        return parse_control_flag(text).model_dump(exclude_none=True)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parsed
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -60,9 +58,10 @@ def submit(args: argparse.Namespace) -> int:
         for field in ("image", "mask"):
             if field in request and not _is_uri(request[field]):
                 request[field] = client.upload(request[field])  # a local file: upload it first
+        for given in [*request.get("controls", []), request.get("reference") or {}]:
+            if given and not _is_uri(given["image"]):
+                given["image"] = client.upload(given["image"])
         for control in request.get("controls", []):
-            if not _is_uri(control["image"]):
-                control["image"] = client.upload(control["image"])
             if args.control_preprocess is not None:
                 control["preprocess"] = args.control_preprocess
         job = client.submit(request, job_id=args.job_id, at_front=args.front)

@@ -34,6 +34,8 @@ from api_client.schema import (
     LoraChoice,
     Mode,
     OutputFormat,
+    ReferenceChoice,
+    ReferenceReport,
     RenderRequest,
     Rung,
     StepCacheReport,
@@ -61,12 +63,12 @@ class LoraWeight(BaseModel):
 
 
 class InputDigest(BaseModel):
-    """An input image of the job (img2img, inpaint, edit, a control's), by the request field that
-    carried it."""
+    """An input image of the job (img2img, inpaint, edit, a control's, the reference), by the
+    request field that carried it."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    field: Literal["image", "mask", "controls.0.image", "controls.1.image"]
+    field: Literal["image", "mask", "controls.0.image", "controls.1.image", "reference.image"]
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -108,6 +110,8 @@ class ImageDetails(BaseModel):
     # Its controls; each one's image is among the inputs (controls.<i>.image), as given, before
     # the worker's preprocess.
     controls: list[ControlReport] = Field(default_factory=list, max_length=MAX_CONTROLS)
+    # Its reference image's IP-Adapter strength; the image is among the inputs (reference.image).
+    reference: ReferenceReport | None = None
     # A hires pass (its defaults filled in): the image is its scale of width x height.
     hires: HiresRequest | None = None
 
@@ -156,6 +160,13 @@ class ImageDetails(BaseModel):
                 for i, c in enumerate(self.controls)
             ]
             or None,
+            reference=(
+                None
+                if self.reference is None
+                else ReferenceChoice(
+                    image=uploads.get("reference.image", ""), strength=self.reference.strength
+                )
+            ),
             hires=self.hires,
         )
 
@@ -203,6 +214,7 @@ def image_details(
         strength=request.strength,
         step_cache=cached,
         controls=[ControlReport.of(choice) for choice in request.controls or []],
+        reference=ReferenceReport.of(request.reference),
         hires=request.hires,
     )
 
@@ -268,6 +280,9 @@ def parameters_text(details: ImageDetails) -> str:
             f" Guidance Start: {c.start:g}, Guidance End: {c.end:g}"
         )
         fields.append((f"ControlNet {i}", f'"{unit}"'))
+    if details.reference is not None:  # A1111's IP-Adapter unit, by its model
+        unit = f"Module: ip-adapter_clip, Model: ip-adapter, Weight: {details.reference.strength:g}"
+        fields.append((f"ControlNet {len(details.controls)}", f'"{unit}"'))
     fields.append(("Version", f"kiln {details.kiln}"))
     # A1111 names each LoRA in the prompt as <lora:name:weight>; readers of its layout (Civitai,
     # image browsers) find the adapters there.

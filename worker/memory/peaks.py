@@ -73,6 +73,7 @@ class Shape:
     step_cache: bool = False
     # The ControlNets loaded beside it (their sources, sorted): their weights and activations.
     controls: tuple[str, ...] = ()
+    reference: bool = False  # an IP-Adapter beside it: its weights and the image encoder's pass
     hires: str = ""  # a hires pass's final size ("256x256"): its second pass's activations
 
     @property
@@ -81,6 +82,7 @@ class Shape:
         # Absent when unused: the fields written before these existed read the same.
         cached = "|step_cache" if self.step_cache else ""
         control = f"|controls={','.join(self.controls)}" if self.controls else ""
+        control += "|reference" if self.reference else ""
         hires = f"|hires={self.hires}" if self.hires else ""
         return (
             f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"

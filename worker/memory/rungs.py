@@ -8,7 +8,8 @@ same place in the order), and its tests (tests/test_tables.py holds the two list
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +80,22 @@ class RungSpec:
     place_beside: PlaceBeside = lambda module, target, _streams: _beside_resident(module, target)
     beside_share: float = 1.0
 
+    @contextmanager
+    def onloaded(self, modules: list[torch.nn.Module], target: torch.device) -> Iterator[None]:
+        """Where the row onloads (model offload), models placed beside the pipeline on the
+        device while they run (a ControlNet's denoise, an image encoder's pass) and back on the
+        host after, as the offload hook moves the denoiser; elsewhere nothing."""
+        if not self.onloads or not modules:
+            yield
+            return
+        for module in modules:
+            module.to(target)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
+
 
 def _holds_all(sizes: Mapping[str, float], _denoiser: str) -> dict[str, float]:
     return dict.fromkeys(sizes, 1.0)
@@ -122,13 +139,15 @@ def _beside_resident(module: torch.nn.Module, target: torch.device) -> None:
 
 
 def _beside_on_host(module: torch.nn.Module, _target: torch.device, _streams: bool) -> None:
-    module.to("cpu")  # onloaded for each denoise (worker.pipelines.control.onloaded)
+    module.to("cpu")  # onloaded while it runs (RungSpec.onloaded)
 
 
 def _beside_group_offload(module: torch.nn.Module, target: torch.device, streams: bool) -> None:
     import torch
+    from diffusers.hooks import apply_group_offloading
 
-    module.enable_group_offload(  # type: ignore[operator]
+    apply_group_offloading(  # any module: a ControlNet, the IP-Adapter with its image encoder
+        module,
         onload_device=target,
         offload_device=torch.device("cpu"),
         offload_type="leaf_level",

@@ -33,7 +33,8 @@ from worker.pipelines.compile_cache import CompileCache
 from worker.pipelines.loading import fit_for, load_pipeline
 from worker.pipelines.prefetch import off_reason
 from worker.pipelines.quantize import torchao_version, try_scheme, unsupported_reason
-from worker.pipelines.resident import LoadedPipeline, PipelineCache, release_memory
+from worker.pipelines.release import release_memory
+from worker.pipelines.resident import LoadedPipeline, PipelineCache
 from worker.settings import SWITCH_NAMES, Settings
 
 PACKAGES = ("torch", "diffusers", "transformers", "torchao", "accelerate", "rq")

@@ -20,7 +20,7 @@ from api_client.controls import ControlNetSpec
 from api_client.manifest import Manifest
 from api_client.schema import ControlChoice, RenderRequest
 from worker.manifest import weights_source
-from worker.pipelines.pull import controlnet_marker
+from worker.pipelines.pull import config_marker
 
 if TYPE_CHECKING:
     import torch
@@ -61,10 +61,14 @@ def beside_gb(manifest: Manifest, request: RenderRequest) -> float:
     return sum(sizes.values())
 
 
-def mode_key(mode: str, controls: list[Control] | list[ControlChoice] | None) -> str:
+def mode_key(
+    mode: str, controls: list[Control] | list[ControlChoice] | None, reference: bool = False
+) -> str:
     """A mode as compile and novelty tell graphs apart: a controlled denoise is another graph
-    (the ControlNet's residuals are inputs of the denoiser's)."""
-    return f"{mode}+control" if controls else mode
+    (the ControlNet's residuals are inputs of the denoiser's), and so is one with a reference
+    (the IP-Adapter's attention processors are in it)."""
+    controlled = f"{mode}+control" if controls else mode
+    return f"{controlled}+reference" if reference else controlled
 
 
 def _key(spec: ControlNetSpec) -> str:
@@ -94,7 +98,7 @@ def attach(
         key = _key(control.spec)
         module = loaded.controlnets.get(key)
         if module is None:
-            marker = controlnet_marker(control.spec.subfolder)
+            marker = config_marker(control.spec.subfolder)
             source = weights_source(
                 loaded.manifest, models_dir, source=control.spec.source, marker=marker
             )
@@ -115,22 +119,6 @@ def attach(
             log.info("controlnet %s loaded beside %s at %s", key, loaded.manifest.id, row.name)
         modules.append(module)
     return modules
-
-
-@contextmanager
-def onloaded(loaded: LoadedPipeline, modules: list[torch.nn.Module]) -> Iterator[None]:
-    """Where the rung onloads (model offload), the ControlNets on the device for the denoise and
-    back on the host after it, as the denoiser's offload hook moves it; elsewhere nothing."""
-    if not loaded.rung_spec.onloads or not modules:
-        yield
-        return
-    for module in modules:
-        module.to(loaded.execution_device)
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.to("cpu")
 
 
 def control_pipe(loaded: LoadedPipeline, mode: str, modules: list[torch.nn.Module]) -> Any:

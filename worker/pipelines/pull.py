@@ -45,8 +45,9 @@ class Fetch:
 
 
 def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
-    """The hub repositories manifest needs (pipeline, vae, taesd, loras, controlnets); local
-    sources must exist, else FileNotFoundError names the path and the command that builds it."""
+    """The hub repositories manifest needs (pipeline, vae, taesd, loras, controlnets, the
+    IP-Adapter and its image encoder); local sources must exist, else FileNotFoundError names
+    the path and the command that builds it."""
     wanted: list[Fetch] = []
     if manifest.family == "upscaler":  # one file: on this disk, or owner/repo/file on the hub
         from worker.pipelines.upscale import hub_file
@@ -72,7 +73,7 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
             wanted.append(Fetch(manifest.id, lora.source, lora.revision, files, marker=files[0]))
     checkpoints = {(c.source, c.subfolder, c.revision) for c in manifest.controlnets.values()}
     for repo, subfolder, revision in sorted(checkpoints, key=str):
-        marker = controlnet_marker(subfolder)
+        marker = config_marker(subfolder)
         if not weights_source(manifest, models_dir, repo, marker=marker).local:
             prefix = f"{subfolder}/" if subfolder else ""
             # One checkpoint, whole or sharded (never a repository's other weights, as
@@ -80,11 +81,43 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
             weights = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model-*")
             files = [marker, *(prefix + name for name in (*weights, f"{weights[0]}.index.json"))]
             wanted.append(Fetch(manifest.id, repo, revision, files, marker=marker))
+    wanted += _ip_adapter_fetches(manifest, models_dir)
     return wanted
 
 
-def controlnet_marker(subfolder: str | None) -> str:
-    """The file a ControlNet checkpoint's folder holds (its config), under its subfolder."""
+def _ip_adapter_fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
+    """The IP-Adapter's weights file and its image encoder's folder, one fetch a repository
+    (h94/IP-Adapter holds both)."""
+    adapter = manifest.ip_adapter
+    if adapter is None:
+        return []
+    encoder = adapter.image_encoder
+    config = config_marker(encoder.subfolder)
+    parts = [
+        (
+            adapter.source,
+            adapter.revision,
+            ["/".join(filter(None, (adapter.subfolder, adapter.weight_name)))],
+        ),
+        (
+            encoder.source,
+            encoder.revision,
+            [config, config.replace("config.json", "model.safetensors")],
+        ),
+    ]
+    by_repo: dict[tuple[str, str | None], list[str]] = {}
+    for repo, revision, files in parts:
+        if not weights_source(manifest, models_dir, repo, marker=files[0]).local:
+            by_repo.setdefault((repo, revision), []).extend(files)
+    return [
+        Fetch(manifest.id, repo, revision, files, marker=files[0])
+        for (repo, revision), files in by_repo.items()
+    ]
+
+
+def config_marker(subfolder: str | None) -> str:
+    """The file a model's folder holds (its config: a ControlNet's, an image encoder's), under
+    its subfolder."""
     return f"{subfolder}/config.json" if subfolder else "config.json"
 
 

@@ -7,7 +7,6 @@ what they held are one lifecycle of a pipeline, read together."""
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import threading
 from collections import OrderedDict, deque
@@ -25,6 +24,7 @@ from worker.memory.peaks import component_bytes, module_bytes
 from worker.memory.rungs import RungSpec, rung_spec
 from worker.pipelines.adapters import AdapterSlots
 from worker.pipelines.families import FamilySpec, spec_for
+from worker.pipelines.release import free, release_memory, to_host
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,9 @@ class LoadedPipeline:
     # ControlNets read for its jobs, by checkpoint, placed on its rung (worker.pipelines.control);
     # dropped with it when it leaves the device: a later job reads them again.
     controlnets: dict[str, torch.nn.Module] = field(default_factory=dict)
+    # Its IP-Adapter (a worker.pipelines.reference.ReferenceAdapter) once a job had a reference
+    # image, placed and dropped as the ControlNets are.
+    reference: torch.nn.Module | None = None
     # False for a pipeline read on the host and never placed (a prefetched one): its rung is
     # the first job's, and any rung's placement fits it (worker.pipelines.loading.place_read).
     placed: bool = True
@@ -114,8 +117,14 @@ class LoadedPipeline:
         """(all components' and ControlNets', the largest one's) parameter and buffer bytes: what
         the planner measures a job's peak against."""
         weights, largest = self.pipeline_bytes
-        beside = [module_bytes(module) for module in self.controlnets.values()]
+        beside = [module_bytes(module) for module in self.beside]
         return weights + sum(beside), max([largest, *beside])
+
+    @property
+    def beside(self) -> list[torch.nn.Module]:
+        """The models loaded beside the pipeline for some jobs: ControlNets, the IP-Adapter."""
+        held = list(self.controlnets.values())
+        return held if self.reference is None else [*held, self.reference]
 
     @functools.cached_property
     def pipeline_bytes(self) -> tuple[int, int]:
@@ -210,16 +219,16 @@ class RamCache:
         """Take an evicted pipeline of size host bytes onto the host; False when it cannot fit."""
         if not self.fits(size):
             return False
-        _to_host(loaded)
+        to_host(loaded)
         with self._lock:
             replaced = self._kept.pop(loaded.manifest.id, None)
             if replaced is not None and replaced[0] is not loaded:
-                _release(replaced[0])
+                free(replaced[0])
             self._kept[loaded.manifest.id] = (loaded, size)
             while sum(size for _, size in self._kept.values()) > self.bound_bytes:
                 model_id, (oldest, _) = self._kept.popitem(last=False)
                 log.info("ram cache: dropped %s (bound %d bytes)", model_id, self.bound_bytes)
-                _release(oldest)
+                free(oldest)
         return True
 
     def take(self, model_id: str) -> LoadedPipeline | None:
@@ -287,7 +296,7 @@ class PipelineCache:
         rung = loaded.rung
         kept = to_ram and self.ram.keep(loaded, size)
         if not kept:
-            _release(loaded)
+            free(loaded)
         del loaded
         if kept:
             dev.empty_cache(self.info)
@@ -320,7 +329,7 @@ class PipelineCache:
 
     def release(self, loaded: LoadedPipeline) -> None:
         """Free a pipeline that is in neither cache any more (one taken from RAM and not used)."""
-        _release(loaded)
+        free(loaded)
         release_memory(self.info)
 
     def evict_others(self, keep: str | None) -> list[str]:
@@ -341,57 +350,3 @@ class PipelineCache:
             self.evict(model_id)
             evicted.append(model_id)
         return evicted
-
-
-def _release(loaded: LoadedPipeline) -> None:
-    """Drop every reference kiln holds to the weights so the allocator can take them back.
-
-    Offload hooks reference their modules (accelerate's hooks and diffusers' group-offload
-    registries), so they come off first; the pipeline is not copied back to the host, which
-    would cost a full transfer and host memory just to throw the weights away.
-    """
-    pipe = loaded.pipe
-    loaded.pipe = None
-    loaded.mode_pipes.clear()  # views of the same modules: dropping them frees nothing else
-    loaded.controlnets.clear()
-    if pipe is None:
-        return
-    remove_hooks(pipe)
-    del pipe
-
-
-def remove_hooks(pipe: Any) -> None:
-    """Every offload hook off the pipeline's modules, so they can be placed (or freed) anew."""
-    try:
-        pipe.remove_all_hooks()
-    except Exception:
-        log.debug("remove_all_hooks failed", exc_info=True)
-    for component in list(pipe.components.values()):
-        if isinstance(component, torch.nn.Module):
-            _remove_group_offload(component)
-
-
-def _to_host(loaded: LoadedPipeline) -> None:
-    """Hooks off, every module on the host: what the RAM cache keeps. Its ControlNets are
-    dropped (read again by the next job that names one), with the control pipelines built on
-    them: the cache's bound counts the pipeline alone."""
-    remove_hooks(loaded.pipe)
-    loaded.pipe.to("cpu")
-    if loaded.controlnets:
-        loaded.controlnets.clear()
-        loaded.mode_pipes = {k: v for k, v in loaded.mode_pipes.items() if "+control" not in k}
-
-
-def _remove_group_offload(module: torch.nn.Module) -> None:
-    from diffusers.hooks import HookRegistry
-
-    for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry):
-            for name in list(registry.hooks):
-                registry.remove_hook(name, recurse=False)
-
-
-def release_memory(info: DeviceInfo) -> None:
-    gc.collect()
-    dev.empty_cache(info)

@@ -24,7 +24,7 @@ from worker.files.store import Store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
-from worker.pipelines import control
+from worker.pipelines import control, reference
 from worker.pipelines.adapters import AdapterRefused
 from worker.pipelines.families import Prompt, cfg_active, decode_preview
 from worker.pipelines.resident import LoadedPipeline
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # A hires pass's upscaler model: the first pass's images at the hires size (width, height).
 HiresUpscaler = Callable[[list[Image.Image], tuple[int, int]], list[Image.Image]]
+# The IP-Adapter a pipeline holds for the job's reference image (read at the first use), or
+# None for a job without one.
+ReferenceFor = Callable[[LoadedPipeline], "reference.ReferenceAdapter | None"]
 StepCallback = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
 # One decode of the kept latents on a pipeline, tiled or not: (images, how it decoded).
 DecodeTry = Callable[[LoadedPipeline, bool], tuple[list[Image.Image], str]]
@@ -69,16 +72,19 @@ def generate(
     decode: DecodeRules = decode_once,
     step_cache: StepCacheDecision | None = None,
     controlnets: list[torch.nn.Module] | None = None,
+    references: ReferenceFor = lambda _loaded: None,
     upscaler: HiresUpscaler | None = None,
 ) -> tuple[list[Image.Image], LoadedPipeline]:
     """inputs: img2img's, inpaint's and edit's images as the pipeline takes them (image,
-    mask_image) and the job's controls, whose ControlNets (control.attach) are controlnets;
+    mask_image), the job's controls, whose ControlNets (control.attach) are controlnets, and its
+    reference image, whose IP-Adapter a pipeline holds is references' (reference.attach);
     step_cache: the job's (worker.pipelines.step_cache), None for none; upscaler: a hires
     pass's upscaler model (None: latent upscaling, or no hires pass). Returns the images and
     the pipeline that decoded them (decode's)."""
     mode, rung = request.mode or "txt2img", loaded.rung
     inputs = inputs or JobInputs()
     sources, controls, beside = inputs.sources, inputs.controls, controlnets or []
+    adapter = references(loaded)
     pipe = control.control_pipe(loaded, mode, beside) if controls else loaded.pipe_for(mode)
     family = loaded.spec
     steps, guidance = denoising_steps(request), float(request.guidance or 0.0)
@@ -107,6 +113,10 @@ def generate(
             image=edited,
         )
         embeds = family.encode(pipe, loaded.execution_device, prompt)
+        if adapter is not None and inputs.reference is not None:
+            embeds["ip_adapter_image_embeds"] = reference.image_embeds(
+                loaded, adapter, inputs.reference, count, cfg
+            )
 
     # 2. Denoise to latents; the step callback reports progress (with a TAESD preview at each
     #    quarter when the request asks and the model has TAESD) and honours a stop request.
@@ -159,8 +169,9 @@ def generate(
                 )
         with (
             cache if cache is not None else nullcontext(),
-            control.onloaded(loaded, beside),
+            loaded.rung_spec.onloaded(beside, loaded.execution_device),
             control.seeded_call(loaded, controls, seed),
+            reference.engaged(loaded, adapter, _strength(request)),
         ):
             latents = pipe(**_accepted(pipe, call)).images
         if pipe is not loaded.pipe:
@@ -170,7 +181,7 @@ def generate(
 
     loaded.warm_shapes.add(shape)  # the denoiser has run this shape, whatever decode does
     loaded.cfg_seen.add(cfg)
-    loaded.modes_seen.add(control.mode_key(mode, controls))
+    loaded.modes_seen.add(control.mode_key(mode, controls, adapter is not None))
 
     # 3. Decode latents to pixels; out of memory keeps the latents for the decode rules.
     def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:
@@ -187,7 +198,9 @@ def generate(
     if request.hires is not None:
         # 4. A hires pass: larger, then img2img at that size on the pipeline that decoded.
         second = Pass(decoded, embeds, latents, images, (cfg, guidance), stepper)
-        images, decoded = _hires(second, request, ctx, watch, record, faults, decode, upscaler)
+        adapter = references(decoded)  # a lower rung's own after a decode descent
+        rules = (decode, upscaler, adapter)
+        images, decoded = _hires(second, request, ctx, watch, record, faults, *rules)
     record.ran_on(decoded)  # a lower rung's after a decode descent, as the result will say
     if step_cache is not None:
         record.settings = record.settings.model_copy(deep=True)  # the job's note, not the load's
@@ -199,8 +212,9 @@ def generate(
 
 @dataclass(frozen=True)
 class Pass:
-    """What a hires pass takes from the first: the pipeline that decoded it, the text embeddings,
-    its latents and images, (whether CFG runs, the guidance), and its step callback's maker."""
+    """What a hires pass takes from the first: the pipeline that decoded it, the text (and
+    reference) embeddings, its latents and images, (whether CFG runs, the guidance), and its
+    step callback's maker."""
 
     loaded: LoadedPipeline
     embeds: dict[str, Any]
@@ -219,6 +233,7 @@ def _hires(
     faults: FaultPlan,
     decode: DecodeRules,
     upscaler: HiresUpscaler | None,
+    adapter: reference.ReferenceAdapter | None,
 ) -> tuple[list[Image.Image], LoadedPipeline]:
     """The first pass's result made hires.scale times larger (an upscaler model's pixels, or its
     latents), then img2img at that size with the pass's strength and steps, on the same
@@ -251,10 +266,11 @@ def _hires(
             "output_type": "latent",
             "callback_on_step_end": first.stepper(steps, set()),
         }
-        latents = pipe(**_accepted(pipe, call)).images
+        with reference.engaged(loaded, adapter, _strength(request)):
+            latents = pipe(**_accepted(pipe, call)).images
         loaded.pipe.maybe_free_model_hooks()  # the derived pipeline's hooks are the resident's
     loaded.warm_shapes.add((*size, count))
-    loaded.modes_seen.add("img2img")
+    loaded.modes_seen.add(control.mode_key("img2img", None, adapter is not None))
     loaded.cfg_seen.add(cfg)
 
     def decode_on(on: LoadedPipeline, tile: bool) -> tuple[list[Image.Image], str]:
@@ -282,6 +298,11 @@ def hires_latents(
     scale = pipe.vae_scale_factor
     cells = (size[1] // scale, size[0] // scale)
     return F.interpolate(latents.float(), size=cells, mode="bilinear").to(latents.dtype)
+
+
+def _strength(request: RenderRequest) -> float:
+    """The reference's IP-Adapter strength (resolve_request fills it in)."""
+    return float(request.reference.strength or 0.0) if request.reference is not None else 0.0
 
 
 def denoising_steps(request: RenderRequest) -> int:

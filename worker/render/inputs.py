@@ -230,7 +230,7 @@ class InputReader:
 
     def read(self, request: RenderRequest, manifest: Manifest, store: Store) -> JobInputs:
         """The inputs as the pipeline takes them (image, mask_image), the controls with their
-        images preprocessed, and each input's sha256."""
+        images preprocessed, the reference image, and each input's sha256."""
         read = JobInputs()
         if request.image is not None:
             image = self._sized(request, request.image, "image", store)
@@ -247,6 +247,11 @@ class InputReader:
             ready = control.preprocess(given.image, choice.preprocess)
             read.controls.append(Control(choice, manifest.controlnets[choice.name], ready))
             read.digests.append(InputDigest(field=field, sha256=given.sha256))
+        if request.reference is not None:  # any size: its image encoder resizes and crops it
+            uri = request.reference.image
+            ref = load_input(uri, self.redis, store, self.settings, field="reference.image")
+            read.reference = ref.image
+            read.digests.append(InputDigest(field="reference.image", sha256=ref.sha256))
         return read
 
     def _sized(self, request: RenderRequest, uri: str, field: str, store: Store) -> LoadedInput:
@@ -267,8 +272,10 @@ ControlField = Literal["controls.0.image", "controls.1.image"]
 @dataclass
 class JobInputs:
     """What the inputs step read for a job: the pipeline's own inputs (image, mask_image), its
-    controls ready for the ControlNets, and every input's sha256 for the image details."""
+    controls ready for the ControlNets, its reference image for the IP-Adapter, and every
+    input's sha256 for the image details."""
 
     sources: dict[str, Image.Image] = field(default_factory=dict)
     controls: list[Control] = field(default_factory=list)
+    reference: Image.Image | None = None  # the IP-Adapter's reference image, as given
     digests: list[InputDigest] = field(default_factory=list)

@@ -29,9 +29,10 @@ from worker.memory.ladder import (
     usable_gb,
 )
 from worker.memory.peaks import Peak, PeakBook, Shape, card_kind, lowest_need_gb
-from worker.pipelines import control, step_cache
+from worker.pipelines import control, reference, step_cache
 from worker.pipelines.loading import choose_dtype, fit_for
-from worker.pipelines.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache, release_memory
+from worker.pipelines.release import release_memory
+from worker.pipelines.resident import DTYPE_NAMES, LoadedPipeline, PipelineCache
 from worker.pipelines.switches import compile_plan
 from worker.settings import Settings
 
@@ -148,9 +149,10 @@ class Planner:
 
     def fit(self, manifest: Manifest, request: RenderRequest) -> Fit:
         """How this card holds the model's weights for this job: fit_for, with the job's
-        ControlNets beside the pipeline."""
+        ControlNets and IP-Adapter beside the pipeline."""
         fit = fit_for(manifest, self.info, self.settings)
-        return dataclasses.replace(fit, beside_gb=control.beside_gb(manifest, request))
+        beside = control.beside_gb(manifest, request) + reference.beside_gb(manifest, request)
+        return dataclasses.replace(fit, beside_gb=beside)
 
     def _shape(self, request: RenderRequest, fit: Fit) -> Shape:
         """What a job's memory depends on besides its rung (worker.memory.peaks)."""
@@ -164,6 +166,7 @@ class Planner:
             mode=request.mode or "txt2img",
             step_cache=step_cache.decide(manifest, self.settings, request).spec is not None,
             controls=control.sources(manifest, request),
+            reference=request.reference is not None,
             hires="x".join(map(str, hires_size(request))) if request.hires else "",
         )
 

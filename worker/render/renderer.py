@@ -34,12 +34,13 @@ from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
 from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
-from worker.pipelines import control, step_cache
+from worker.pipelines import control, reference, step_cache
 from worker.pipelines.compile import graphs_compiled
 from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
 from worker.pipelines.families import cfg_active
 from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
+from worker.pipelines.reference import ReferenceAdapter
 from worker.pipelines.resident import LoadedPipeline, PipelineCache, Rendered
 from worker.pipelines.step_cache import StepCacheDecision
 from worker.pipelines.switches import compile_fell_back
@@ -382,7 +383,8 @@ class Renderer:
             if controls:  # the ControlNets are the load's: read once, kept with the pipeline
                 with watch.phase("load"):
                     beside = control.attach(loaded, controls, self.info, self.settings.models_dir)
-            mode = control.mode_key(request.mode or "txt2img", controls)
+            self._reference(job, loaded)  # read before the job's memory is measured, as those
+            mode = control.mode_key(request.mode or "txt2img", controls, bool(request.reference))
             novelty = loaded.novelty(*size, request.num_images, cfg, mode, loras)
             start, reads = dev.allocated_bytes(self.info), self.prefetcher.mark()
             # A job that uses no adapter runs the denoiser without its LoRA slots.
@@ -403,6 +405,7 @@ class Renderer:
                         decode=decode,
                         step_cache=job.step_cache,
                         controlnets=beside,
+                        references=functools.partial(self._reference, job),
                         upscaler=self._hires_upscaler(job),
                     )
             except Exception as exc:
@@ -429,6 +432,16 @@ class Renderer:
                 record.recompile_causes.append(f"{novelty}: {built} graph(s)")
             record.recompiles = loaded.recompiles
             return images, decoded
+
+    def _reference(self, job: JobRun, loaded: LoadedPipeline) -> ReferenceAdapter | None:
+        """The job's IP-Adapter on this pipeline: read at the first job with a reference and
+        kept with the pipeline (the load's, as a ControlNet's read is)."""
+        if job.request.reference is None:
+            return None
+        if isinstance(loaded.reference, ReferenceAdapter):
+            return loaded.reference
+        with job.watch.phase("load"):
+            return reference.attach(loaded, self.info, self.settings.models_dir)
 
     def _compile_start(
         self, job: JobRun, loaded: LoadedPipeline, cfg: bool, mode: str, loras: frozenset[str]

@@ -23,6 +23,7 @@ from api_client.schema import (
     ControlReport,
     ImageFile,
     LoraChoice,
+    ReferenceReport,
     RenderRequest,
     RenderResult,
     SettingsReport,
@@ -143,6 +144,7 @@ class TimingRecord(BaseModel):
     compile_source: Literal["cold", "local", "fleet"] | None = None
     step_cache: StepCacheReport | None = None  # what the job's step cache computed and reused
     controls: list[ControlReport] = Field(default_factory=list)  # ControlNets it ran with
+    reference: ReferenceReport | None = None  # its IP-Adapter's, when it had a reference image
     passes: int = 1  # 2 after a hires pass (its denoise and decode add to the phases)
     previews: int = 0  # TAESD previews drawn while denoising
     quantized: dict[str, str] = Field(default_factory=dict)
@@ -172,6 +174,7 @@ class TimingRecord(BaseModel):
             setattr(self, name, getattr(request, name))
         self.mode = request.mode or "txt2img"
         self.controls = [ControlReport.of(choice) for choice in request.controls or []]
+        self.reference = ReferenceReport.of(request.reference)
 
     def ran_on(self, loaded: Rendered) -> None:
         """The pipeline this try runs on, and after decode the one that decoded (a lower rung's

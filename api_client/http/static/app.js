@@ -201,6 +201,8 @@ function applyManifest() {
     ...controls.map((name) => el("option", { value: name, text: name })),
   );
   document.getElementById("controls-field").dataset.offered = controls.length ? "yes" : "";
+  // A reference image where the manifest names an IP-Adapter.
+  document.getElementById("reference-field").dataset.offered = manifest.ip_adapter ? "yes" : "";
   const upscalers = [...state.models.values()]
     .filter((other) => other.manifest.family === "upscaler")
     .map((other) => other.manifest.id);
@@ -260,6 +262,8 @@ function updateModeFields() {
   f.prompt.required = !upscale;
   const controls = document.getElementById("controls-field");
   controls.hidden = upscale || !controls.dataset.offered || mode === "edit";
+  const reference = document.getElementById("reference-field");
+  reference.hidden = upscale || !reference.dataset.offered || mode === "edit";
   const view = state.models.get(f.model.value);
   const modes = view ? view.manifest.modes : [];
   document.getElementById("hires-field").hidden = mode !== "txt2img" || !modes.includes("img2img");
@@ -345,6 +349,11 @@ async function buildRequest() {
     if (f.control_canny.checked) control.preprocess = "canny";
     request.controls = [control];
   }
+  const referenceFile = f.reference_image.files[0];
+  if (!document.getElementById("reference-field").hidden && referenceFile) {
+    const image = await upload("reference", referenceFile, referenceFile.name);
+    request.reference = { image, strength: Number(f.reference_strength.value) };
+  }
   if (!document.getElementById("hires-field").hidden && f.hires_scale.value) {
     request.hires = { scale: Number(f.hires_scale.value), upscaler: f.hires_upscaler.value };
   }
@@ -421,7 +430,7 @@ function errorTarget(field) {
     return { inputs: [...document.querySelectorAll("#loras input")], key: "loras" };
   }
   // controls.0.image, hires.scale, ...: the group's box, its inputs marked.
-  for (const group of ["controls", "hires"]) {
+  for (const group of ["controls", "hires", "reference"]) {
     if (field === group || field.startsWith(`${group}.`)) {
       const inputs = [...form.querySelectorAll(`[name^="${group.replace(/s$/, "")}_"]`)];
       return { inputs, key: group };

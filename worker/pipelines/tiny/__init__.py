@@ -25,6 +25,7 @@ from worker.pipelines.tiny.components import seeded, taesd
 from worker.pipelines.tiny.controlnet import save_tiny_controlnets
 from worker.pipelines.tiny.flux import flux, flux_kontext
 from worker.pipelines.tiny.flux2 import flux2
+from worker.pipelines.tiny.ip_adapter import save_tiny_ip_adapter
 from worker.pipelines.tiny.lora import save_tiny_loras
 from worker.pipelines.tiny.qwenimage import qwenimage
 from worker.pipelines.tiny.sd import sd3, sd15, sdxl
@@ -45,8 +46,9 @@ __all__ = [
 # 2: a tiny TAESD in <pipeline>/taesd for previews. 3: flux, flux2, qwenimage and zimage.
 # 4: two tiny LoRAs in <pipeline>/loras (worker.pipelines.tiny.lora). 5: tiny ControlNets in
 # <pipeline>/controlnets for sd15 and flux (worker.pipelines.tiny.controlnet). 6: for sdxl, sd3,
-# qwenimage and zimage too, and tiny-upscaler (worker.pipelines.tiny.upscaler).
-BUILDER_VERSION: Final = 6
+# qwenimage and zimage too, and tiny-upscaler (worker.pipelines.tiny.upscaler). 7: a tiny
+# IP-Adapter in <pipeline>/ip_adapter for sd15 and sdxl (worker.pipelines.tiny.ip_adapter).
+BUILDER_VERSION: Final = 7
 STAMP_FILE: Final = "kiln_tiny.json"
 
 _BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
@@ -129,12 +131,13 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
 
 
 def _save_extras(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
-    """What a tiny pipeline ships beside itself: a TAESD, ControlNets, LoRAs."""
+    """What a tiny pipeline ships beside itself: a TAESD, ControlNets, an IP-Adapter, LoRAs."""
     if family in TAESD_LATENTS:
         _save_taesd(directory / "taesd", family)
-    # Before the LoRAs: making them leaves peft's wrappers on the denoiser, and SD's ControlNet
-    # copies the UNet's own weights.
+    # Before the LoRAs: making them leaves peft's wrappers on the denoiser, SD's ControlNet
+    # copies the UNet's own weights and the IP-Adapter's layers take its attentions' shapes.
     save_tiny_controlnets(pipe, family, directory / "controlnets")
+    save_tiny_ip_adapter(pipe, family, directory / "ip_adapter")
     save_tiny_loras(pipe, directory / "loras")
 
 

@@ -1,0 +1,185 @@
+"""A reference image through an IP-Adapter (#30 item 2): a manifest's ip_adapter (the adapter
+and its image encoder), a request's `reference: {image, strength}`, the adapter read at the
+first job with one and kept beside the resident pipeline, placed by its rung, engaged in the
+denoiser only for the jobs that have a reference. strength 0 renders the same pixels as none,
+and a job after a reference job renders as it did before any; refusals name field, value and
+rule; the reference image travels with the image's details so a replay finds it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+from redis import Redis
+
+from api_client import RequestRejected
+from api_client.manifest import Manifest, load_manifest_file
+from api_client.references import parse_reference_flag
+from api_client.resolve import resolve_request
+from api_client.schema import ReferenceChoice, ReferenceReport, RenderRequest
+from tests.conftest import ROOT
+from tests.helpers import burst, client_for, make_renderer, records
+from tests.test_controls import square_png
+from tests.test_modes import mask_png, pixels, png
+from worker.files.details import parameters_text, read_details
+
+BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a fox", "steps": 3, "seed": 7}
+
+
+def test_a_reference_steers_the_render_and_strength_0_is_no_reference(
+    redis_conn: Redis, settings: Any
+) -> None:
+    client = client_for(redis_conn, settings)
+    # Any size: the encoder's processor resizes and crops it (here 200x150 for a 128x128 job).
+    ref, other = client.upload(png((200, 150), seed=3)), client.upload(png(seed=9))
+    source, mask, edges = (
+        client.upload(png()),
+        client.upload(mask_png()),
+        client.upload(square_png()),
+    )
+    plain = client.submit(BASE)
+    off = client.submit({**BASE, "reference": {"image": ref, "strength": 0.0}})
+    on = client.submit({**BASE, "reference": {"image": ref}})
+    half = client.submit({**BASE, "reference": {"image": ref, "strength": 0.5}})
+    elsewhere = client.submit({**BASE, "reference": {"image": other}})
+    after = client.submit(BASE)  # the denoiser's own attention is back
+    pair = {**BASE, "num_images": 2}
+    pair_plain, pair_off = (
+        client.submit(pair),
+        client.submit({**pair, "reference": {"image": ref, "strength": 0}}),
+    )
+    img2img = {**BASE, "image": source, "strength": 0.7}
+    i2i_plain, i2i_off = (
+        client.submit(img2img),
+        client.submit({**img2img, "reference": {"image": ref, "strength": 0}}),
+    )
+    i2i_on = client.submit({**img2img, "reference": {"image": ref}})
+    inpaint = {**BASE, "image": source, "mask": mask}
+    inp_plain, inp_on = (
+        client.submit(inpaint),
+        client.submit({**inpaint, "reference": {"image": ref}}),
+    )
+    control = {**BASE, "controls": [{"name": "canny", "image": edges}]}
+    ctl_plain, ctl_off = (
+        client.submit(control),
+        client.submit({**control, "reference": {"image": ref, "strength": 0}}),
+    )
+    ctl_on = client.submit({**control, "reference": {"image": ref}})
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+
+    def shown(job: Any, index: int = 0) -> Any:
+        return pixels(job.wait(timeout=5).images[index].path)
+
+    assert np.array_equal(shown(plain), shown(off)), "strength 0 must render what none renders"
+    assert np.array_equal(shown(plain), shown(after)), "a reference job left its adapter engaged"
+    for index in range(2):
+        assert np.array_equal(shown(pair_plain, index), shown(pair_off, index))
+    assert np.array_equal(shown(i2i_plain), shown(i2i_off))
+    assert np.array_equal(shown(ctl_plain), shown(ctl_off))
+    for base, steered in (
+        (plain, on),
+        (plain, half),
+        (on, half),
+        (on, elsewhere),
+        (i2i_plain, i2i_on),
+        (inp_plain, inp_on),
+        (ctl_plain, ctl_on),
+    ):
+        assert not np.array_equal(shown(base), shown(steered)), (
+            f"{steered.id} ignored its reference"
+        )
+
+    by_id = {r.job_id: r for r in records(settings.timings_log)}
+    assert by_id[on.id].reference == ReferenceReport(strength=1.0)
+    assert by_id[half.id].reference == ReferenceReport(strength=0.5)
+    assert by_id[plain.id].reference is None
+    assert on.wait(timeout=5).reference == ReferenceReport(strength=1.0)
+    # Read once, by the first job with a reference (off), in its load phase.
+    assert by_id[off.id].timings.load > by_id[on.id].timings.load
+
+    # The image's details carry the reference: its image among the inputs, its strength; the
+    # replay request asks for it again, and A1111's parameters name the unit.
+    details = read_details(Path(half.wait(timeout=5).images[0].path or ""))
+    assert details.reference == ReferenceReport(strength=0.5)
+    assert [i.field for i in details.inputs] == ["reference.image"]
+    replay = details.replay_request()
+    assert replay.reference is not None and replay.reference.strength == 0.5
+    assert replay.reference.image == f"kiln-input:{details.inputs[0].sha256}"
+    assert "Weight: 0.5" in parameters_text(details)
+    again = client.submit(replay.model_dump(exclude_none=True))
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    assert np.array_equal(shown(half), shown(again)), "a replay must render the same pixels"
+
+
+@pytest.mark.parametrize("rung", ["model_offload", "group_offload"])
+def test_each_rung_places_the_adapter_and_renders_what_full_renders(
+    redis_conn: Redis, settings: Any, rung: str
+) -> None:
+    client = client_for(redis_conn, settings)
+    ref = client.upload(png(seed=3))
+    base = {**BASE, "model": "tiny-sdxl", "reference": {"image": ref, "strength": 0.8}}
+    full = client.submit({**base, "rung": "full"})
+    lower = client.submit({**base, "rung": rung})
+    plain = client.submit({**BASE, "model": "tiny-sdxl", "rung": rung})
+    burst(redis_conn, make_renderer(settings, ["tiny-sdxl"]), ["tiny-sdxl"])
+    results = [job.wait(timeout=5) for job in (full, lower, plain)]
+    assert [r.rung for r in results] == ["full", rung, rung]
+    shown = [pixels(r.images[0].path) for r in results]
+    assert np.abs(shown[0] - shown[1]).max() <= 1, f"{rung} must render what full renders"
+    assert not np.array_equal(shown[1], shown[2])
+
+
+def _resolve(request: dict[str, Any], manifest: str = "tiny-sd15") -> RenderRequest:
+    loaded = load_manifest_file(ROOT / "manifests" / f"{manifest}.yaml")
+    return resolve_request(RenderRequest(**{**BASE, "model": manifest, **request}), loaded)
+
+
+def test_refusals_name_field_value_and_rule() -> None:
+    ok = _resolve({"reference": {"image": "kiln-input:" + "a" * 64}})
+    assert ok.reference == ReferenceChoice(image="kiln-input:" + "a" * 64, strength=1.0)
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {"reference": {"image": "kiln-input:" + "a" * 64, "strength": 2.5}},
+            "reference.strength",
+            "between 0 and 2",
+        ),
+        ({"reference": {"image": "/etc/passwd"}}, "reference.image", ""),
+    ]
+    for request, field, rule in cases:
+        with pytest.raises(RequestRejected) as caught:
+            _resolve(request)
+        problems = {p.field: p for p in caught.value.problems}
+        assert field in problems, caught.value
+        assert rule in problems[field].rule
+    # A family without an IP-Adapter, and a manifest that names none.
+    with pytest.raises(RequestRejected, match="manifest names no ip_adapter"):
+        _resolve({"reference": {"image": "kiln-input:" + "a" * 64}}, "tiny-flux")
+
+
+def test_a_manifest_names_its_adapter_only_where_the_family_has_one(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "manifests" / "tiny-sd15.yaml").read_text())
+    Manifest(**data)
+    for family, said in (
+        ("flux", "FLUX.1's IP-Adapter"),
+        ("qwenimage", "Qwen-Image has no"),
+        ("sd2", "SD 2.x"),
+    ):
+        flux = yaml.safe_load((ROOT / "manifests" / "tiny-flux.yaml").read_text())
+        flux.update(family=family, ip_adapter=data["ip_adapter"])
+        with pytest.raises(ValidationError, match=said):
+            Manifest(**flux)
+    broken = {**data, "ip_adapter": {**data["ip_adapter"], "weight_name": "ip-adapter.ckpt"}}
+    with pytest.raises(ValidationError, match=r"safetensors or \.bin file name"):
+        Manifest(**broken)
+
+
+def test_the_reference_flag_takes_a_path_and_a_strength() -> None:
+    assert parse_reference_flag("cat.png") == ReferenceChoice(image="cat.png")
+    assert parse_reference_flag("cat.png:0.6") == ReferenceChoice(image="cat.png", strength=0.6)
+    assert parse_reference_flag("C:/x.png") == ReferenceChoice(image="C:/x.png")
+    with pytest.raises(ValueError, match="--reference"):
+        parse_reference_flag("")
