@@ -21,9 +21,9 @@ SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 # started once. (--dist loadgroup does not group here: pytest 9.2 with pytest-xdist 3.8 ran
 # explicitly grouped tests on three workers.) It prints the slowest tests and files and writes
 # every file's time to
-# run/test-durations.md. `make test` leaves out the tests marked slow (the compile, soak and
-# multi-worker kill drills); `make test-slow` runs only them and .ci/run runs both; `make
-# test-all` runs everything in one session.
+# run/test-durations.md. `make test` leaves out the tests marked slow (the compile, soak, chaos
+# and multi-worker kill drills, the fuzzers, the bench matrix); `make test-slow` runs only them
+# and .ci/run runs both; `make test-all` runs everything in one session.
 # Tests marked serial run first, alone: they count Redis commands against the budget, and on a
 # loaded machine what runs by the clock (the sweep, lease pushes) would count against it.
 TEST_JOBS ?= 3

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 JOBS, FAULTS, SEED = 20, 6, 28
@@ -19,6 +21,7 @@ LINE = re.compile(
 )
 
 
+@pytest.mark.slow  # 50 s of kill drills: make test keeps under 12 minutes; CI runs it
 def test_a_short_chaos_run_loses_nothing_and_renders_nothing_twice(tiny_dir: Path) -> None:
     argv = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--jobs", str(JOBS)]
     argv += ["--faults", str(FAULTS), "--seed", str(SEED), "--seconds", "20"]

@@ -168,6 +168,7 @@ def fresh_redis(redis_url: str) -> Iterator[tuple[Redis, KilnClient]]:
         conn.close()
 
 
+@pytest.mark.slow  # 35 s of renders: make test keeps under 12 minutes; CI runs it
 @RUN
 @given(batch=st.lists(requests(), min_size=1, max_size=6))
 def test_submit_refuses_clearly_or_the_job_renders(
@@ -187,6 +188,7 @@ def test_submit_refuses_clearly_or_the_job_renders(
         assert last.wait(timeout=1).steps == 1
 
 
+@pytest.mark.slow  # 33 s of renders: make test keeps under 12 minutes; CI runs it
 @RUN
 @given(
     batch=st.lists(

@@ -8,6 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from api_client.schema import Attempt, ImageFile, SettingsReport, Timings
 from tests.conftest import kiln
 from worker.ops.report import percentile, summarize
@@ -126,6 +128,7 @@ def test_timings_verb_reads_the_log_writes_csv_and_chart(
     assert kiln("timings", str(tmp_path / "missing.jsonl"), env=kiln_env).returncode == 1
 
 
+@pytest.mark.slow  # 32 s of renders: make test keeps under 12 minutes; CI runs it
 def test_bench_runs_a_matrix_in_process_and_compares_rungs(
     tmp_path: Path, kiln_env: dict[str, str], redis_conn: Any
 ) -> None:
