@@ -6,14 +6,18 @@ Reports per-phase timings and peak memory at each rung (FLUX.1 and Qwen-Image ag
 their published manifests claim), float8 against int8 for the FLUX.1 and Qwen-Image transformers,
 regional against whole compile for both, the compile speedup after warm-up of the SD families, the
 int8 memory drop (SDXL's text_encoder_2, SD3's T5), a real out-of-memory
-(torch.cuda.set_per_process_memory_fraction) that the ladder survives, and the card against
-kiln's device profile of it (memory, native bf16, fp8, compute capability). Runs offline on an
+(torch.cuda.set_per_process_memory_fraction) that the ladder survives, the card against
+kiln's device profile of it (memory, native bf16, fp8, compute capability), and issue 30's
+controls: a ControlNet's extra time per step (SD1.5's, SDXL's union, FLUX.1's union, in their
+published layouts: bench/control_builds.py), RealESRGAN x4plus's seconds per megapixel and its
+tiles, and SDXL's hires pass against a direct render at its final size. Runs offline on an
 NVIDIA GPU:
 
     python bench/gpu_check.py [--out DIR]
     python bench/gpu_check.py --dry-run      # CPU, shrunken configs, drilled OOM: 1-2 minutes
     python bench/gpu_check.py --families qwenimage          # one family's sections
     python bench/gpu_check.py --families flux --sections rungs,compile_methods --rungs full
+    python bench/gpu_check.py --sections controls            # ControlNets, upscaler, hires
 
 Checkpoints are written under $TMPDIR (a real Qwen-Image is 56 GB, FLUX.1 34 GB): point it at a
 disk that holds one of them at least; the check deletes the others when the next does not fit.
@@ -45,13 +49,15 @@ import argparse
 import gc
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +67,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402 - after the path fix so `python bench/gpu_check.py` finds kiln
 
+from api_client.controls import ControlNetSpec  # noqa: E402
 from api_client.manifest import Manifest, load_manifest_file  # noqa: E402
-from api_client.schema import RUNGS, Rung  # noqa: E402
+from api_client.schema import RUNGS, RenderResult, Rung  # noqa: E402
 from worker.memory.faults import FaultPlan  # noqa: E402
 from worker.memory.ladder import rung_need_gb  # noqa: E402
 from worker.memory.peaks import PeakBook  # noqa: E402
@@ -160,6 +167,7 @@ DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
         "text_encoder": _SMALL_CLIP,
         "text_encoder_2": _SMALL_T5,
         "vae": _SMALL_VAE,
+        "controlnet": {"num_layers": 1, "num_single_layers": 1},  # as its transformer's
     },
     "qwenimage": {
         "transformer": {
@@ -187,6 +195,9 @@ DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
         },
         "vae": {"base_dim": 8, "num_res_blocks": 1},
     },
+    # the controls section's ESRGAN, and its manifest: a 128 px image in 64 px tiles, as the
+    # card's 1024 px one runs in realesrgan-x4plus.yaml's 512 px tiles
+    "upscaler": {"model": {"num_filters": 4, "num_blocks": 1}, "manifest": {"tile": 64}},
 }
 # On the card too: kiln only encodes text with Qwen2.5-VL, so its vision tower (0.67 B parameters,
 # 1.3 GB more on a disk that a real Qwen-Image nearly fills) is one narrow block. Its merger still
@@ -239,8 +250,11 @@ class Case:
     guidance: tuple[float, float] = (5.0, 10.0)  # default, max
     true_cfg: tuple[float, float] | None = None
     # Rough seconds each item takes on the card (build: configs to checkpoint; a rung or a
-    # quantized variant: its load, a cold and a warm job; compile: one method's four jobs). An
-    # item is skipped when less is left of the budget.
+    # quantized variant: its load, a cold and a warm job; compile: one method's four jobs;
+    # controls: a ControlNet built and saved (and for sd15 and sdxl an IP-Adapter with its ViT-H
+    # encoder), a load, then 2 + 2 x ROUNDS jobs (3 + 3 x ROUNDS with a reference); hires: a load
+    # and 3 + 2 x ROUNDS jobs, half of them at twice the size). An item is skipped when less is
+    # left of the budget.
     gpu_s: dict[str, float] = field(
         default_factory=lambda: {
             "build": 20.0,
@@ -251,6 +265,8 @@ class Case:
             "quant": 60.0,
             "compile": 150.0,
             "step_cache": 120.0,
+            "controls": 60.0,
+            "hires": 60.0,
         }
     )
 
@@ -287,6 +303,8 @@ FLUX = Case(
         "compile": 150.0,
         # 3 prompts x 2 jobs of 28 steps at 1024 px, bf16, eager: ~0.3 s a step unquantized.
         "step_cache": 60.0,
+        # its 6.2 GB union ControlNet built and written, the load, 8 jobs of 10 steps
+        "controls": 90.0,
     },
 )
 QWEN = Case(
@@ -307,13 +325,33 @@ QWEN = Case(
         "step_cache": 150.0,
     },
 )
+# The controls section's upscaler: RealESRGAN x4plus at input sides of size/4, size/2 and size
+# (its manifest's 512 px tiles: the largest runs in nine). gpu_s: a 67 MB file written; three
+# sizes' 1 + ROUNDS jobs, the largest a 4096^2 output.
+UPSCALER = Case(
+    "upscaler",
+    1024,
+    claims_from="realesrgan-x4plus.yaml",
+    gpu_s={"build": 5.0, "upscale": 30.0},
+)
 # The compile case's second size: a new shape after warm-up, ~1 MP on the 16 px grid like 1024^2.
 SECOND_SIZE = {False: (1152, 896), True: (144, 112)}  # keyed by dry run
+# Timed jobs of each kind in the controls section, after a warm-up, keyed by dry run.
+ROUNDS = {False: 3, True: 1}
 QUANT_TYPES = {"float8": "Float8Tensor", "int8": "Int8Tensor"}
-FAMILIES = (FLUX.family, QWEN.family, *(case.family for case in CASES))
+FAMILIES = (FLUX.family, QWEN.family, *(case.family for case in CASES), UPSCALER.family)
 # One card run (about 8 minutes) does not hold them all: --families, --sections and --rungs cut
 # a run down to what fits, e.g. FLUX.1's compile methods against its eager full rung alone.
-SECTIONS = ("rungs", "float8_int8", "compile_methods", "step_cache", "compile", "int8", "oom")
+SECTIONS = (
+    "rungs",
+    "float8_int8",
+    "compile_methods",
+    "step_cache",
+    "compile",
+    "int8",
+    "oom",
+    "controls",
+)
 
 
 @dataclass
@@ -334,6 +372,8 @@ class Report:
     int8_t5: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)
     oom: dict[str, Any] = field(default_factory=dict)
+    # issue 30's: "controlnet" (one entry a family), "upscaler" and "hires"
+    controls: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     total_s: float = 0.0
@@ -385,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         report.int8 = _check_int8(run, CASES[1], "text_encoder_2")
         report.int8_t5 = _check_int8(run, CASES[2], "text_encoder_3")
         _check_oom(run, CASES[1])
+        # 6. Issue 30's controls: a ControlNet's extra time per step (SD1.5, SDXL, FLUX.1), the
+        #    upscaler's seconds per megapixel, SDXL's hires pass against a direct render.
+        for case in (CASES[0], CASES[1], FLUX):
+            _check_controlnet(run, case)
+        _check_upscaler(run)
+        _check_hires(run, CASES[1])
         report.finished = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -495,17 +541,23 @@ class Run:
     def rungs(self) -> list[Rung]:
         return [rung for rung in RUNGS if rung in self.args.rungs.split(",")]
 
+    def selected(self, section: str, family: str, label: str) -> bool:
+        """Whether --sections and --families cover an item; if not, it is reported skipped."""
+        if section not in self.args.sections.split(","):
+            self.report.skipped.append(f"{label}: {section} is not in --sections")
+            return False
+        if family not in self.args.families.split(","):
+            self.report.skipped.append(f"{label}: {family} is not in --families")
+            return False
+        return True
+
     def manifest(
         self, case: Case, section: str, first: str, label: str | None = None
     ) -> Manifest | None:
         """The case's checkpoint for a section, built if it is not on disk and there is time to
         build it and run the first item (a gpu_s key) after it; None, reported, if not."""
         label = label or f"{section} {case.family}"
-        if section not in self.args.sections.split(","):
-            self.report.skipped.append(f"{label}: {section} is not in --sections")
-            return None
-        if case.family not in self.args.families.split(","):
-            self.report.skipped.append(f"{label}: {case.family} is not in --families")
+        if not self.selected(section, case.family, label):
             return None
         build = 0.0 if self.shelf.has(case) else case.gpu_s["build"]
         if not self.has_time(label, build + case.gpu_s[first]):
@@ -569,22 +621,29 @@ class Shelf:
         self._built[case.family] = manifest
         return manifest
 
+    def check_room(self, what: str, need: int) -> None:
+        """NoRoom unless what, need bytes of tensors, fits on the disk as it is."""
+        want, free = _on_disk(need), self.free_bytes(self.models_dir)
+        if free < want:
+            raise NoRoom(
+                f"{what} needs {want / GB:.1f} GB; {free / GB:.1f} GB free under"
+                f" {self.models_dir} (set TMPDIR to a bigger disk)"
+            )
+
     def _make_room(self, family: str, need: int) -> None:
-        # safetensors files are the tensors' bytes plus a small header; the margin covers config
-        # and tokenizer files and whatever else writes to the disk meanwhile.
-        want = int(need * 1.02) + int(0.5 * GB)
         self.models_dir.mkdir(parents=True, exist_ok=True)
-        while self.free_bytes(self.models_dir) < want and self._built:
+        while self.free_bytes(self.models_dir) < _on_disk(need) and self._built:
             other = next(iter(self._built))
             del self._built[other]
             shutil.rmtree(self.models_dir / f"check-{other}", ignore_errors=True)
             self.report.evicted.append(f"{other}: deleted to make room for {family}")
-        free = self.free_bytes(self.models_dir)
-        if free < want:
-            raise NoRoom(
-                f"{family}'s checkpoint needs {want / GB:.1f} GB; {free / GB:.1f} GB free under"
-                f" {self.models_dir} (set TMPDIR to a bigger disk)"
-            )
+        self.check_room(f"{family}'s checkpoint", need)
+
+
+def _on_disk(need: int) -> int:
+    """Disk bytes for need bytes of tensors: safetensors files are the tensors' bytes plus a small
+    header; the margin covers config and tokenizer files and whatever else writes meanwhile."""
+    return int(need * 1.02) + int(0.5 * GB)
 
 
 def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
@@ -593,12 +652,10 @@ def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
 
     tokenizers = {name: make() for name, make in TOKENIZERS[case.family].items()}
     spec = spec_of(case.family)
-    # sd3 and the flow transformers overflow in fp16; kiln casts at load to its own pick anyway.
-    dtype = (torch.float16 if spec.fp16_safe else torch.bfloat16) if cuda else torch.float32
     components: dict[str, Any] = {}
     # Built in 16-bit where they will run: a Qwen-Image is 20 B parameters plus a 7 B encoder,
     # 108 GB in fp32 (torch's default dtype, which every __init__ here allocates in).
-    with torch.device("cuda" if cuda else "cpu"), _default_dtype(dtype):
+    with _building(case.family, cuda):
         for config_file in sorted((CONFIGS / case.family).glob("*.json")):
             name = config_file.stem
             config = json.loads(config_file.read_text())
@@ -619,6 +676,16 @@ def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
             module.eval()
     pipeline_cls = getattr(diffusers, spec.pipeline_class)
     return pipeline_cls(**components, **tokenizers, **PIPELINE_EXTRAS.get(case.family, {}))
+
+
+@contextmanager
+def _building(family: str, cuda: bool) -> Iterator[None]:
+    """Modules built inside on the device they will run on, in the 16-bit type kiln picks there
+    (sd3 and the flow transformers overflow in fp16; kiln casts at load anyway); fp32 on a CPU."""
+    fp16 = spec_of(family).fp16_safe
+    dtype = (torch.float16 if fp16 else torch.bfloat16) if cuda else torch.float32
+    with torch.device("cuda" if cuda else "cpu"), _default_dtype(dtype):
+        yield
 
 
 @contextmanager
@@ -764,7 +831,9 @@ def _job(
     steps: int,
     tag: str,
     size: tuple[int, int] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One job (fields: the request's others, or over these), and what kiln's record says of it."""
     width, height = size or manifest.default_size
     payload = {
         "model": manifest.id,
@@ -773,16 +842,22 @@ def _job(
         "width": width,
         "height": height,
         "seed": 1,
+        **(fields or {}),
     }
     ctx = LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}")
     result = recorder.renderer.render(payload, ctx)
     record = recorder.records[-1]
+    image = result.images[0]
     return {
         "rung": result.rung,
-        "size": f"{width}x{height}",
+        "size": f"{image.width}x{image.height}",  # the image's: a hires job's final size
         "attempts": [a.model_dump(exclude_none=True) for a in result.attempts],
         "timings": {k: round(v, 4) for k, v in result.timings.model_dump().items()},
         "per_step_s": round(record.per_step_s or 0.0, 4),
+        "steps_denoised": record.steps_denoised,
+        "passes": record.passes,
+        "controls": [control.name for control in record.controls],
+        "reference": record.reference is not None,
         "peak_mb": round((record.peak_memory_bytes or 0) / MB, 1),
         "compiled": result.compiled,
         "recompiles": record.recompiles,
@@ -1222,6 +1297,311 @@ def _check_oom(run: Run, case: Case) -> None:
             torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
+# 9. Issue 30's controls: a ControlNet's extra time per step, the upscaler's seconds per
+#    megapixel, a hires pass against a direct render at its final size
+
+
+def _check_controlnet(run: Run, case: Case) -> None:
+    """The family's published ControlNet layout, random weights, beside its checkpoint, at full:
+    the plain job and the controlled one, each warmed up, then ROUNDS of each in turn; per-step
+    seconds of each, the extra and the ratio, and the ControlNet's calls (one a denoised step)."""
+    from bench.control_builds import square_png
+
+    label = f"controls {case.family} controlnet"
+    manifest = run.manifest(case, "controls", "controls", label)
+    if manifest is None:
+        return
+    pinned = run.settings.model_copy(update={"memory_mode": "full", "compile": "off"})
+    recorder: _Recorder | None = None
+    try:
+        # 1. The ControlNet beside the checkpoint, and the manifest entry that serves it.
+        spec, built = _controlnet(run, case, manifest)
+        variant = _variant(manifest, controlnets={"canny": spec})
+        # 2. What each extra adds to the plain job: its request fields, and where the family has
+        #    an IP-Adapter, a reference image through one (its manifest entry beside the
+        #    ControlNet's).
+        image = square_png(*variant.default_size)
+        extras: dict[str, dict[str, Any]] = {
+            "controlnet": {"controls": [{"name": "canny", "image": image}]}
+        }
+        adapter = _ip_adapter(run, case, manifest)
+        if adapter is not None:
+            variant = _variant(variant, ip_adapter=adapter[0])
+            extras["reference"] = {"reference": {"image": square_png(256, 256)}}
+        recorder = _Recorder(pinned, variant)
+        steps, rounds = run.steps(case), ROUNDS[run.args.dry_run]
+        jobs = {
+            name: partial(_job, recorder, variant, steps, fields=fields)
+            for name, fields in {"none": {}, **extras}.items()
+        }
+        for name, job in jobs.items():
+            job(f"{name}-warm")
+        with _forward_calls(_loaded_controlnet(recorder, variant, spec.source)) as calls:
+            timed = _alternating(jobs, rounds)
+        # 3. Per-step seconds of each against none, and the evidence the ControlNet ran.
+        entry: dict[str, Any] = {"case": f"{case.family}@{variant.default_size[0]}"}
+        entry |= {"steps": steps, "rounds": rounds, **_step_costs(timed)}
+        denoised = sum(job["steps_denoised"] for job in timed["controlnet"])
+        entry["controlnet"] |= {**built, "calls": calls[0], "steps_denoised": denoised}
+        if adapter is not None:  # and every reference job ran with it
+            engaged = all(job["reference"] for job in timed["reference"])
+            entry["reference"] |= {**adapter[1], "engaged": engaged}
+        run.report.controls.setdefault("controlnet", []).append(entry)
+        if calls[0] < denoised:
+            run.report.failures.append(f"{label}: {calls[0]} calls in {denoised} denoised steps")
+    except NoRoom as exc:
+        run.report.skipped.append(f"{label}: {exc}")
+    except Exception as exc:
+        run.report.failures.append(f"{label}: {type(exc).__name__}: {exc}")
+    finally:
+        if recorder is not None:
+            recorder.evict_all()
+        run.write()
+
+
+def _controlnet(run: Run, case: Case, manifest: Manifest) -> tuple[ControlNetSpec, dict[str, Any]]:
+    """The family's ControlNet (bench/control_builds.py) built where its pipeline runs, saved
+    beside the checkpoint as kiln's tiny ones are (<checkpoint>/controlnets/canny/), and the
+    entry serving it: the published manifest's canny entry where there is one (kind, union mode),
+    with the size measured here; NoRoom when the disk cannot take it."""
+    from bench.control_builds import PUBLISHED, controlnet
+
+    started = time.perf_counter()
+    spec = spec_of(case.family)
+    assert spec.control is not None, f"{case.family} has no ControlNet in kiln"
+    denoiser = run.settings.models_dir / manifest.source / spec.denoiser
+    changes = DRY_RUN[case.family].get("controlnet", {}) if run.args.dry_run else {}
+    with _building(case.family, run.shelf.cuda):
+        config = json.loads((denoiser / "config.json").read_text())
+        model = controlnet(case.family, spec.control.model_class, config, changes)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    run.shelf.check_room(f"{case.family}'s ControlNet", nbytes)
+    source = f"{manifest.source}/controlnets/canny"
+    model.save_pretrained(run.settings.models_dir / source, safe_serialization=True)
+    built = {
+        "class": type(model).__name__,
+        "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 4),
+        "gb": round(nbytes / GB, 3),  # as built: 16-bit on the card
+        "build_s": round(time.perf_counter() - started, 2),
+    }
+    del model
+    _release(run.shelf.cuda)
+    published = PUBLISHED.get(case.family)
+    if published is None:
+        return ControlNetSpec(source=source, kind="canny", gb=built["gb"]), built
+    entry = load_manifest_file(MANIFESTS / published).controlnets["canny"]
+    built |= {"from": f"manifests/{published}", "published_gb": entry.gb}
+    return entry.model_copy(update={"source": source, "gb": built["gb"]}), built
+
+
+def _ip_adapter(
+    run: Run, case: Case, manifest: Manifest
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Where the family runs an IP-Adapter (sd15, sdxl): one with random weights for the
+    checkpoint's UNet and the real ViT-H image encoder (kiln's tiny one in a dry run), saved
+    beside the checkpoint as kiln's tiny ones are (<checkpoint>/ip_adapter/), its manifest entry
+    and what was built; None elsewhere. NoRoom when the disk cannot take it."""
+    from diffusers import UNet2DConditionModel
+
+    from api_client.references import REFERENCE_MODES
+    from bench.control_builds import VIT_H
+    from worker.pipelines.tiny import ip_adapter
+
+    if case.family not in REFERENCE_MODES:
+        return None
+    started = time.perf_counter()
+    source = f"{manifest.source}/ip_adapter"
+    folder = run.settings.models_dir / source
+    config = json.loads(
+        (run.settings.models_dir / manifest.source / "unet/config.json").read_text()
+    )
+    with torch.device("meta"):  # its attention layers' shapes, no weights
+        unet = UNet2DConditionModel.from_config(config)
+    encoder = ip_adapter.ENCODER if run.args.dry_run else VIT_H
+    run.shelf.check_room(f"{case.family}'s IP-Adapter", int(2 * GB))  # ViT-H and SDXL's: 1.96 GB
+    with _building(case.family, run.shelf.cuda):
+        ip_adapter.save_ip_adapter(unet, folder, encoder, seed=60)
+    _release(run.shelf.cuda)
+    nbytes = sum(path.stat().st_size for path in folder.rglob("*.safetensors"))
+    entry = {
+        "source": manifest.source,
+        "subfolder": "ip_adapter",
+        "weight_name": ip_adapter.WEIGHTS,
+        "image_encoder": {"source": manifest.source, "subfolder": "ip_adapter/image_encoder"},
+        "gb": round(nbytes / GB, 3),
+    }
+    built = {"gb": entry["gb"], "build_s": round(time.perf_counter() - started, 2)}
+    return entry, built
+
+
+def _loaded_controlnet(recorder: _Recorder, manifest: Manifest, source: str) -> torch.nn.Module:
+    """The ControlNet module kiln keeps beside the resident pipeline, as its jobs call it."""
+    loaded = recorder.renderer.cache.get(manifest.id)
+    module = loaded.controlnets.get(source) if loaded is not None else None
+    if module is None:
+        raise RuntimeError(f"{source} is not beside {manifest.id} after a job that named it")
+    return module
+
+
+def _check_upscaler(run: Run) -> None:
+    """RealESRGAN x4plus's architecture, random weights, through kiln's upscale mode at three
+    input sides: the seconds per output megapixel of the median job, and the tile kiln ran it in
+    and how many (the model's calls a job)."""
+    from bench.control_builds import upscaler
+
+    case, label = UPSCALER, "controls upscaler"
+    if not run.selected("controls", case.family, label):
+        return
+    if not run.has_time(label, case.gpu_s["build"] + case.gpu_s["upscale"]):
+        return
+    assert case.claims_from is not None
+    published = load_manifest_file(MANIFESTS / case.claims_from)
+    dry = DRY_RUN[case.family] if run.args.dry_run else {}
+    source = f"check-upscaler/{Path(published.source).name}"
+    size, scale = (128 if run.args.dry_run else case.size), published.scale or 1
+    try:
+        started = time.perf_counter()
+        written = upscaler(run.settings.models_dir / source, dry.get("model", {}))
+        figures: dict[str, Any] = {
+            "from": f"manifests/{case.claims_from}",
+            "build_s": round(time.perf_counter() - started, 2),
+            "weights_mb": round(written / MB, 1),
+            "sides": [],
+        }
+        run.report.controls["upscaler"] = figures
+        variant = _variant(published, id="check-upscaler", source=source, **dry.get("manifest", {}))
+        recorder = _Recorder(run.settings, variant)
+        for side in (size // 4, size // 2, size):
+            row = _upscaled(recorder, variant, side, ROUNDS[run.args.dry_run])
+            figures["sides"].append(row)
+            if row["output"] != f"{side * scale}x{side * scale}":
+                run.report.failures.append(f"{label} {side}: {row['output']}, not {scale}x")
+            run.write()
+    except Exception as exc:
+        run.report.failures.append(f"{label}: {type(exc).__name__}: {exc}")
+    finally:
+        run.write()
+
+
+def _upscaled(recorder: _Recorder, manifest: Manifest, side: int, rounds: int) -> dict[str, Any]:
+    """One input side: a job to warm up (the load, the size's first calls), then rounds timed."""
+    from bench.control_builds import square_png
+
+    image = square_png(side, side)
+    payload = {"model": manifest.id, "image": image, "width": side, "height": side}
+
+    def job(tag: str) -> RenderResult:
+        ctx = LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}")
+        return recorder.renderer.render(payload, ctx)
+
+    job("warm")
+    loaded = recorder.renderer.upscalers.get(manifest.id)
+    assert loaded is not None, f"{manifest.id} is not resident after a job"
+    with _forward_calls(loaded.model.model) as calls:
+        done = [job(f"{side}-{index}") for index in range(rounds)]
+    seconds = _median(result.timings.upscale for result in done)
+    out = done[-1].images[0]
+    return {
+        "input": f"{side}x{side}",
+        "output": f"{out.width}x{out.height}",
+        "upscale_s": seconds,
+        "s_per_output_mp": round(seconds / (out.width * out.height / 1e6), 4),
+        "tile_px": loaded.tile,
+        "tiles": calls[0] // rounds,
+    }
+
+
+def _check_hires(run: Run, case: Case) -> None:
+    """A hires pass (scale 2, latent, kiln's defaults otherwise) against a direct render at its
+    final size with as many steps as both passes denoised, at full: each warmed up, then ROUNDS
+    of each in turn; total and denoise seconds of each, and their ratios."""
+    label = f"controls {case.family} hires"
+    manifest = run.manifest(case, "controls", "hires", label)
+    if manifest is None:
+        return
+    first = manifest.default_size
+    final = (first[0] * 2, first[1] * 2)
+    variant = _variant(manifest, modes=["txt2img", "img2img"], resolutions=[first, final])
+    pinned = run.settings.model_copy(update={"memory_mode": "full", "compile": "off"})
+    recorder = _Recorder(pinned, variant)
+    rounds = ROUNDS[run.args.dry_run]
+    hires = {"hires": {"scale": 2, "upscaler": "latent"}}
+    try:
+        jobs = {"hires": partial(_job, recorder, variant, run.steps(case), fields=hires)}
+        # The hires warm-up says how many steps its two passes denoise: the direct job's.
+        steps = jobs["hires"]("hires-warm")["steps_denoised"]
+        jobs["direct"] = partial(_job, recorder, variant, steps, size=final)
+        jobs["direct"]("direct-warm")
+        timed = _alternating(jobs, rounds)
+        entry: dict[str, Any] = {"case": f"{case.family}@{first[0]}", "rounds": rounds}
+        for name, done in timed.items():
+            entry[name] = {
+                "size": done[-1]["size"],
+                "passes": done[-1]["passes"],
+                "steps_denoised": done[-1]["steps_denoised"],
+                "total_s": _median(job["timings"]["total"] for job in done),
+                "denoise_s": _median(job["timings"]["denoise"] for job in done),
+            }
+        entry["total_ratio"] = round(entry["hires"]["total_s"] / entry["direct"]["total_s"], 2)
+        entry["denoise_ratio"] = round(
+            entry["hires"]["denoise_s"] / entry["direct"]["denoise_s"], 2
+        )
+        run.report.controls["hires"] = entry
+        passes, size = entry["hires"]["passes"], entry["hires"]["size"]
+        if (passes, size) != (2, f"{final[0]}x{final[1]}"):
+            run.report.failures.append(
+                f"{label}: {passes} pass(es) to {size}; expected 2 to {final[0]}x{final[1]}"
+            )
+    except Exception as exc:
+        run.report.failures.append(f"{label}: {type(exc).__name__}: {exc}")
+    finally:
+        recorder.evict_all()
+        run.write()
+
+
+def _step_costs(timed: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The plain jobs' median seconds a step (none), and each extra's with what it adds to them."""
+    none = _median(job["per_step_s"] for job in timed["none"])
+    costs: dict[str, Any] = {"none_per_step_s": none}
+    for name, jobs in timed.items():
+        if name != "none":
+            per_step = _median(job["per_step_s"] for job in jobs)
+            extra, ratio = round(per_step - none, 4), round(per_step / none, 2)
+            costs[name] = {"per_step_s": per_step, "extra_per_step_s": extra, "ratio": ratio}
+    return costs
+
+
+def _alternating(
+    jobs: Mapping[str, Callable[[str], dict[str, Any]]], rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """rounds of every job in turn (the caller warmed each up): a drift in the card's clocks or
+    temperature falls on all of them alike, where one batch after another would put it on one."""
+    timed: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for index in range(rounds):
+        for name, job in jobs.items():
+            timed[name].append(job(f"{name}-{index}"))
+    return timed
+
+
+@contextmanager
+def _forward_calls(module: torch.nn.Module) -> Iterator[list[int]]:
+    """The module's forward calls inside the with block, counted in a one-item list."""
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    handle = module.register_forward_pre_hook(count)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def _median(values: Iterable[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
 def _print(report: Report, path: Path) -> None:
     print(f"kiln gpu check on {report.device}{' (dry run)' if report.dry_run else ''}")
     print(f"  built: {report.build_s} s; on disk {report.checkpoint_gb} GB")
@@ -1278,6 +1658,33 @@ def _print(report: Report, path: Path) -> None:
         print(f"  profile: {report.profile}")
     if report.oom:
         print(f"  oom ({report.oom['how']}): attempts {report.oom.get('attempts')}")
+    for entry in report.controls.get("controlnet", []):
+        c = entry["controlnet"]
+        print(
+            f"  controlnet {entry['case']} {c['class']} ({c['params_b']} B params):"
+            f" {entry['none_per_step_s']}s a step -> {c['per_step_s']}s"
+            f" ({c['extra_per_step_s']:+}s, {c['ratio']}x)"
+        )
+        if "reference" in entry:
+            r = entry["reference"]
+            print(
+                f"  ip-adapter {entry['case']} ({r['gb']} GB with its encoder):"
+                f" {entry['none_per_step_s']}s a step -> {r['per_step_s']}s"
+                f" ({r['extra_per_step_s']:+}s, {r['ratio']}x)"
+            )
+    for row in report.controls.get("upscaler", {}).get("sides", []):
+        print(
+            f"  upscaler {row['input']} -> {row['output']}: {row['upscale_s']}s,"
+            f" {row['s_per_output_mp']} s/MP, {row['tiles']} tile(s) of {row['tile_px']} px"
+        )
+    if "hires" in report.controls:
+        h = report.controls["hires"]
+        print(
+            f"  hires {h['case']} -> {h['hires']['size']}: {h['hires']['total_s']}s"
+            f" ({h['hires']['steps_denoised']} steps) against direct {h['direct']['total_s']}s"
+            f" ({h['direct']['steps_denoised']} steps): {h['total_ratio']}x,"
+            f" denoise {h['denoise_ratio']}x"
+        )
     for line in report.skipped:
         print(f"  skipped: {line}")
     for line in report.failures:

@@ -2,9 +2,11 @@
 rung of every family (FLUX.1 and Qwen-Image too) renders through kiln's renderer, their published
 step caches run against none at the same seeds, float8 is
 reported skipped on the CPU while int8 shrinks the FLUX.1 and Qwen-Image transformers, int8
-shrinks SDXL's text encoder and SD3's T5, the drilled OOM is survived, and the profile comparison
-says it had no GPU to compare. A run cut down by --families, --sections and --rungs does only
-that, and the checkpoint shelf deletes the least recently used others when the disk is short."""
+shrinks SDXL's text encoder and SD3's T5, the drilled OOM is survived, the profile comparison
+says it had no GPU to compare, and the controls section times each family's published ControlNet
+layout against no control, RealESRGAN x4plus's architecture at three sizes and a hires pass
+against a direct render. A run cut down by --families, --sections and --rungs does only that, and
+the checkpoint shelf deletes the least recently used others when the disk is short."""
 
 from __future__ import annotations
 
@@ -136,6 +138,56 @@ def test_sd_text_encoders_shrink_in_int8_and_the_ladder_survives_oom(
     ]
 
 
+@pytest.mark.slow
+def test_controls_time_a_controlnet_step_the_upscaler_and_hires_against_direct(
+    dry_run: tuple[dict, str],
+) -> None:
+    """Each family's ControlNet, in kiln's class for it, ran once a denoised step beside its
+    pipeline and is timed against the plain job; the upscaler's 4x at three sides, the largest
+    in tiles; the hires job's two passes against a direct render at its size, as many steps."""
+    report, stdout = dry_run
+    controls = report["controls"]
+    entries = {entry["case"]: entry for entry in controls["controlnet"]}
+    assert {case: entry["controlnet"]["class"] for case, entry in entries.items()} == {
+        "sd15@128": "ControlNetModel",
+        "sdxl@128": "ControlNetUnionModel",
+        "flux@128": "FluxControlNetModel",
+    }
+    for entry in entries.values():
+        plain, control = entry["none_per_step_s"], entry["controlnet"]
+        assert plain > 0 and control["per_step_s"] > 0 and control["params_b"] > 0
+        assert control["ratio"] == pytest.approx(control["per_step_s"] / plain, abs=0.01)
+        assert control["extra_per_step_s"] == pytest.approx(control["per_step_s"] - plain, abs=1e-4)
+        assert control["calls"] >= control["steps_denoised"] >= entry["steps"] * entry["rounds"]
+    # an IP-Adapter's reference where the family has one (sd15, sdxl), timed the same way
+    for case in ("sd15@128", "sdxl@128"):
+        plain, reference = entries[case]["none_per_step_s"], entries[case]["reference"]
+        assert reference["engaged"] and reference["per_step_s"] > 0
+        assert reference["ratio"] == pytest.approx(reference["per_step_s"] / plain, abs=0.01)
+    assert "reference" not in entries["flux@128"]
+    assert "ip-adapter sd15@128" in stdout
+    # the published entries it is served as, against the sizes built here
+    assert entries["sdxl@128"]["controlnet"]["published_gb"] == 2.51
+    assert entries["flux@128"]["controlnet"]["from"] == "manifests/flux1-dev.yaml"
+    assert "published_gb" not in entries["sd15@128"]["controlnet"]
+    sides = controls["upscaler"]["sides"]
+    assert [(row["input"], row["output"]) for row in sides] == [
+        ("32x32", "128x128"),
+        ("64x64", "256x256"),
+        ("128x128", "512x512"),
+    ]
+    assert all(row["s_per_output_mp"] > 0 and row["tile_px"] == 64 for row in sides)
+    assert [row["tiles"] > 1 for row in sides] == [False, False, True]
+    hires, direct = controls["hires"]["hires"], controls["hires"]["direct"]
+    assert (hires["passes"], direct["passes"]) == (2, 1)
+    assert hires["size"] == direct["size"] == "256x256"
+    assert direct["steps_denoised"] == hires["steps_denoised"] > 2  # 2 in the first pass
+    assert controls["hires"]["total_ratio"] == pytest.approx(
+        hires["total_s"] / direct["total_s"], abs=0.01
+    )
+    assert "controlnet flux@128 FluxControlNetModel" in stdout and "hires sdxl@128" in stdout
+
+
 def test_a_run_cut_down_to_one_rung_of_one_family(tmp_path: Path) -> None:
     done = subprocess.run(
         [
@@ -158,6 +210,7 @@ def test_a_run_cut_down_to_one_rung_of_one_family(tmp_path: Path) -> None:
     assert "rungs flux: flux is not in --families" in report["skipped"]
     assert "int8 text_encoder_2: int8 is not in --sections" in report["skipped"]
     assert "oom: sdxl is not in --families" in report["skipped"]
+    assert "controls upscaler: controls is not in --sections" in report["skipped"]
 
 
 def test_shelf_deletes_the_least_recently_used_checkpoint_when_the_disk_is_short(

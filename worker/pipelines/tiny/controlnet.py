@@ -165,7 +165,7 @@ def save_tiny_controlnets(pipe: DiffusionPipeline, family: str, directory: Path)
         return
     build, seeds = TINY_CONTROLNETS[family]
     for name, seed in seeds.items():
-        model = seeded(seed, lambda: _randomised(build(pipe)))
+        model = seeded(seed, lambda: randomised(build(pipe)))
         model.save_pretrained(directory / name, safe_serialization=True)
 
 
@@ -176,7 +176,7 @@ def _zero_initialised(name: str) -> bool:
     return name.startswith(block) and any(part in name for part in parts)
 
 
-def _randomised(model: Any) -> Any:
+def randomised(model: Any) -> Any:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if _zero_initialised(name):

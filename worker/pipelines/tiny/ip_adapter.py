@@ -34,12 +34,19 @@ _SEED: Final = 60
 
 def save_tiny_ip_adapter(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
     """The family's tiny IP-Adapter under directory, for sd15 and sdxl; nothing for others."""
-    if family not in FAMILIES:
-        return
-    config = CLIPVisionConfig(**ENCODER)
-    encoder = seeded(_SEED, lambda: CLIPVisionModelWithProjection(config))
-    encoder.save_pretrained(directory / "image_encoder", safe_serialization=True)
-    tensors = seeded(_SEED + 1, lambda: _weights(pipe.unet, config.projection_dim))
+    if family in FAMILIES:
+        save_ip_adapter(pipe.unet, directory, ENCODER, _SEED)
+
+
+def save_ip_adapter(unet: Any, directory: Path, encoder: dict[str, Any], seed: int) -> None:
+    """A random IP-Adapter for this UNet (its config and attention layers' shapes are read; a
+    meta-device UNet will do) and a random image encoder of this CLIPVisionConfig under
+    directory (WEIGHTS and image_encoder/), as kiln's manifests name them; built on torch's
+    default device and dtype (bench/gpu_check.py builds the real ViT-H so)."""
+    config = CLIPVisionConfig(**encoder)
+    model = seeded(seed, lambda: CLIPVisionModelWithProjection(config))
+    model.save_pretrained(directory / "image_encoder", safe_serialization=True)
+    tensors = seeded(seed + 1, lambda: _weights(unet, config.projection_dim))
     save_file(tensors, str(directory / WEIGHTS))
 
 
@@ -67,4 +74,4 @@ def _weights(unet: Any, embed_dim: int) -> dict[str, torch.Tensor]:
             layer = torch.nn.Linear(own.shape[1], own.shape[0], bias=False)
             tensors[f"ip_adapter.{key}.to_{part}_ip.weight"] = layer.weight.detach()
         key += 2
-    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+    return {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
