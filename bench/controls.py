@@ -76,11 +76,14 @@ def controls(renderer: Any, model: str, steps: int, repeats: int) -> dict[str, A
         sets["reference"] = {"reference": {"image": _data_url(_png(256, 256, 2))}}
     row: dict[str, Any] = {"model": model, "steps": steps, "size": f"{width}x{height}"}
     base = {"model": model, "prompt": "a lighthouse at dusk", "steps": steps, "seed": 1}
-    runs: dict[str, list[Any]] = {}
-    for label, extra in sets.items():
-        request = {**base, **extra}
+    requests = {label: {**base, **extra} for label, extra in sets.items()}
+    for request in requests.values():
         _render(renderer, request)  # warm: the ControlNet's or adapter's load and first call
-        runs[label] = [_render(renderer, request) for _ in range(repeats)]
+    runs: dict[str, list[Any]] = {label: [] for label in requests}
+    for _ in range(repeats):  # in turn, so a drift in the machine's speed falls on all alike
+        for label, request in requests.items():
+            runs[label].append(_render(renderer, request))
+    for label in requests:
         row[f"{label} s/step"] = round(_median(runs[label], "denoise") / steps, 4)
     if "reference" in runs:  # the image encoder's pass is in text_encode
         for label in ("none", "reference"):
