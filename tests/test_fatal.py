@@ -14,6 +14,7 @@ from tests.helpers import records
 from tests.workers import WorkerProcess
 
 
+@pytest.mark.slow  # a worker process drill (31 s): make test keeps under 12 minutes; CI runs it
 def test_a_lost_device_fails_the_job_and_ends_the_worker(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
 ) -> None:

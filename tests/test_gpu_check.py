@@ -188,6 +188,7 @@ def test_controls_time_a_controlnet_step_the_upscaler_and_hires_against_direct(
     assert "controlnet flux@128 FluxControlNetModel" in stdout and "hires sdxl@128" in stdout
 
 
+@pytest.mark.slow  # a second dry run (16 s), as the first is: make test keeps under 12 minutes
 def test_a_run_cut_down_to_one_rung_of_one_family(tmp_path: Path) -> None:
     done = subprocess.run(
         [

@@ -122,6 +122,7 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
                 proc.stop()
 
 
+@pytest.mark.slow  # a signal drill on a worker process (24 s): make test keeps under 12 minutes
 def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
     redis_conn: Redis, client: KilnClient, env: dict[str, str], tmp_path: Path
 ) -> None:

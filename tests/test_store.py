@@ -336,6 +336,7 @@ def test_a_local_job_ending_after_its_preview_leaves_no_files(settings: Any) -> 
     assert not (settings.output_dir / "previewed").exists()
 
 
+@pytest.mark.slow  # a signal drill on a worker process (19 s): make test keeps under 12 minutes
 def test_a_second_sigterm_during_the_save_leaves_a_whole_result_or_none(
     redis_conn: Redis,
     kiln_env: dict[str, str],

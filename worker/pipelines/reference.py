@@ -112,17 +112,20 @@ def attach(loaded: LoadedPipeline, info: DeviceInfo, models_dir: Path) -> Refere
     denoiser = loaded.pipe.unet
     own = denoiser.attn_processors
     # diffusers' loader builds the adapter's processors and projection into the denoiser; kiln
-    # takes them out again at once and keeps them here, the denoiser as it was.
-    loaded.pipe.load_ip_adapter(
-        source.location,
-        subfolder=spec.subfolder or "",
-        weight_name=spec.weight_name,
-        image_encoder_folder=None,
-        revision=spec.revision,
-    )
-    processors = denoiser.attn_processors
-    adapter = ReferenceAdapter(encoder, features, denoiser.encoder_hid_proj, processors)
-    _restore(denoiser, own)
+    # takes them out again at once and keeps them here, the denoiser as it was (also when the
+    # read fails part-way).
+    try:
+        loaded.pipe.load_ip_adapter(
+            source.location,
+            subfolder=spec.subfolder or "",
+            weight_name=spec.weight_name,
+            image_encoder_folder=None,
+            revision=spec.revision,
+        )
+        processors, projection = denoiser.attn_processors, denoiser.encoder_hid_proj
+    finally:
+        _restore(denoiser, own)
+    adapter = ReferenceAdapter(encoder, features, projection, processors)
     adapter.eval().to(dtype=loaded.dtype)
     target = loaded.execution_device
     loaded.rung_spec.place_beside(adapter, target, target.type == "cuda" and info.streams)
