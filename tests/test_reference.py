@@ -192,3 +192,29 @@ def test_the_reference_flag_takes_a_path_and_a_strength() -> None:
     assert parse_reference_flag("C:/x.png") == ReferenceChoice(image="C:/x.png")
     with pytest.raises(ValueError, match="--reference"):
         parse_reference_flag("")
+
+
+@pytest.mark.slow  # compiles the tiny UNet twice (plain and with the adapter): about a minute
+def test_a_compiled_denoiser_keeps_its_plain_graphs_across_reference_jobs(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    """Under compile a reference job is another mode, its graphs built at the first one with
+    the cause named; after that plain, reference, plain build nothing (the processors put back
+    are the same objects), strength 0 still renders what none renders, and the plain pixels are
+    the eager pipeline's own."""
+    settings = make_settings(compile="on")
+    client = client_for(redis_conn, settings)
+    ref = client.upload(png(seed=3))
+    base = {**BASE, "steps": 2}
+    order: list[dict[str, Any] | None] = [None, {"image": ref}, None, {"image": ref}, None]
+    order.append({"image": ref, "strength": 0.0})
+    jobs = [client.submit({**base, "reference": given}) for given in order]
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    got = records(settings.timings_log)
+    assert all(r.status == "done" and r.compiled for r in got), [r.error for r in got]
+    assert got[1].recompile_causes and "reference" in got[1].recompile_causes[0]
+    assert all(r.recompile_causes == [] for r in got[2:]), [r.recompile_causes for r in got]
+    shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
+    assert np.array_equal(shown[0], shown[2]) and np.array_equal(shown[0], shown[4])
+    assert np.array_equal(shown[1], shown[3]) and not np.array_equal(shown[0], shown[1])
+    assert np.array_equal(shown[0], shown[5])

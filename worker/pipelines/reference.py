@@ -62,14 +62,30 @@ class ReferenceAdapter(torch.nn.Module):
         return not isinstance(layers[0], ImageProjection)
 
     def set_strength(self, strength: float) -> None:
-        from diffusers.models.attention_processor import (
-            IPAdapterAttnProcessor,
-            IPAdapterAttnProcessor2_0,
-        )
+        """Every value layer's gain, in place: the compiled graphs read it as a tensor."""
+        for layer in self.modules():
+            if isinstance(layer, ScaledLinear):
+                layer.gain.fill_(strength)  # in place: the graphs hold this tensor
 
-        for processor in self.layers.values():
-            if isinstance(processor, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0)):
-                processor.scale = [strength] * len(processor.to_k_ip)  # one scale per adapter
+
+class ScaledLinear(torch.nn.Linear):
+    """An IP-Adapter value layer (to_v_ip) whose output is scaled by the reference's strength,
+    held as a tensor. diffusers scales the adapter's attention output by a float on the
+    processor (and skips it at 0): a compiled denoiser guards on that float and builds new
+    graphs for every strength (measured: strength 0 after 1 rebuilt 2 graphs). Attention is
+    linear in its values, so scaling them scales its output the same; the processor's own scale
+    stays 1, and strength 0 adds exact zeros (the same pixels as no reference)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        features = (linear.in_features, linear.out_features)
+        super().__init__(*features, bias=linear.bias is not None, device="meta")  # no init
+        self.weight, self.bias = linear.weight, linear.bias
+        weight = linear.weight
+        self.gain: torch.Tensor
+        self.register_buffer("gain", torch.ones((), dtype=weight.dtype, device=weight.device))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden) * self.gain
 
 
 def beside_gb(manifest: Manifest, request: RenderRequest) -> float:
@@ -125,6 +141,9 @@ def attach(loaded: LoadedPipeline, info: DeviceInfo, models_dir: Path) -> Refere
         processors, projection = denoiser.attn_processors, denoiser.encoder_hid_proj
     finally:
         _restore(denoiser, own)
+    for processor in processors.values():  # strength on the values, as a tensor (ScaledLinear)
+        if isinstance(getattr(processor, "to_v_ip", None), torch.nn.ModuleList):
+            processor.to_v_ip = torch.nn.ModuleList(ScaledLinear(v) for v in processor.to_v_ip)
     adapter = ReferenceAdapter(encoder, features, projection, processors)
     adapter.eval().to(dtype=loaded.dtype)
     target = loaded.execution_device
