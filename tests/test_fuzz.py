@@ -113,6 +113,13 @@ plausible = {
             max_size=3,
         ),
     ),
+    "reference": st.one_of(
+        st.none(),
+        st.fixed_dictionaries(
+            {"image": st.sampled_from(IMAGE_REFS)},
+            optional={"strength": st.floats(min_value=-1, max_value=3)},
+        ),
+    ),
     "hires": st.one_of(
         st.none(),
         st.fixed_dictionaries(
