@@ -77,6 +77,11 @@ class IPAdapterSpec(BaseModel):
                 f"{name!r}: a {' or '.join(WEIGHT_FILES)} file name (what diffusers'"
                 " load_ip_adapter reads; its folder is subfolder)"
             )
+        if "faceid" in name.lower():
+            raise ValueError(
+                f"{name!r}: a FaceID adapter carries a LoRA that diffusers loads into the UNet"
+                " for good (and takes face embeddings, not an image): kiln runs image adapters"
+            )
         return name
 
 

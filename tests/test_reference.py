@@ -184,6 +184,9 @@ def test_a_manifest_names_its_adapter_only_where_the_family_has_one(tmp_path: Pa
     broken = {**data, "ip_adapter": {**data["ip_adapter"], "weight_name": "ip-adapter.ckpt"}}
     with pytest.raises(ValidationError, match=r"safetensors or \.bin file name"):
         Manifest(**broken)
+    faceid = {**data["ip_adapter"], "weight_name": "ip-adapter-faceid_sd15.bin"}
+    with pytest.raises(ValidationError, match="FaceID adapter carries a LoRA"):
+        Manifest(**{**data, "ip_adapter": faceid})
 
 
 def test_the_reference_flag_takes_a_path_and_a_strength() -> None:
