@@ -9,10 +9,10 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api_client.controls import MAX_STRENGTH  # A1111's slider ends, for an IP-Adapter too
 from api_client.errors import Problem
 from api_client.schema import ReferenceChoice
 
-MAX_STRENGTH = 2.0  # A1111's IP-Adapter weight slider ends here, as a ControlNet's does
 DEFAULT_STRENGTH = 1.0  # diffusers' set_ip_adapter_scale default, A1111's and InvokeAI's
 # Families and modes kiln runs an IP-Adapter on: diffusers' IPAdapterMixin on their txt2img,
 # img2img and inpaint pipelines (and their ControlNet pipelines), h94/IP-Adapter's weights.

@@ -142,6 +142,30 @@ def test_each_rung_places_the_adapter_and_renders_what_full_renders(
     assert not np.array_equal(shown[2], shown[3])
 
 
+def test_an_adapter_that_cannot_be_read_fails_its_job_naming_the_file(
+    settings: Any, tmp_path: Path
+) -> None:
+    """A truncated weights file fails the reference job naming it, and the denoiser is as it
+    was: the next plain job renders the pixels the one before it did."""
+    import base64
+
+    from worker.render.context import LocalContext
+    from worker.render.renderer import Renderer
+
+    data = yaml.safe_load((ROOT / "manifests" / "tiny-sd15.yaml").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "ip-adapter.safetensors").write_bytes(b"not a safetensors file")
+    data["ip_adapter"] = {**data["ip_adapter"], "source": str(broken), "subfolder": None}
+    renderer = Renderer(settings, {"tiny-sd15": Manifest(**data)})
+    image = "data:image/png;base64," + base64.b64encode(png(seed=3)).decode()
+    before = renderer.render(BASE, LocalContext("before"))
+    with pytest.raises(RuntimeError, match=r"ip_adapter .*broken/ip-adapter.safetensors could"):
+        renderer.render({**BASE, "reference": {"image": image}}, LocalContext("broken"))
+    after = renderer.render(BASE, LocalContext("after"))
+    assert before.images[0].sha256 == after.images[0].sha256
+
+
 def _resolve(request: dict[str, Any], manifest: str = "tiny-sd15") -> RenderRequest:
     loaded = load_manifest_file(ROOT / "manifests" / f"{manifest}.yaml")
     return resolve_request(RenderRequest(**{**BASE, "model": manifest, **request}), loaded)

@@ -139,6 +139,13 @@ def attach(loaded: LoadedPipeline, info: DeviceInfo, models_dir: Path) -> Refere
             revision=spec.revision,
         )
         processors, projection = denoiser.attn_processors, denoiser.encoder_hid_proj
+    except torch.OutOfMemoryError:
+        raise  # the ladder's to handle
+    except Exception as exc:  # a missing, truncated or foreign file: name it
+        raise RuntimeError(
+            f"model {manifest.id}: ip_adapter {source.location}/{marker} could not be read:"
+            f" {type(exc).__name__}: {exc}"
+        ) from exc
     finally:
         _restore(denoiser, own)
     for processor in processors.values():  # strength on the values, as a tensor (ScaledLinear)
