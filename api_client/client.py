@@ -169,8 +169,7 @@ class KilnClient:
         if request.image is None or request.width is not None or request.height is not None:
             return request
         try:
-            data = inputs.input_bytes(self.connection, request.image)
-            found = inputs.inspect_image(data, max_bytes=self._max_bytes) if data else None
+            found = self._input_size(request.image, "image")
         except inputs.InputRefused:
             return request  # named by _input_problems, with the rest
         if found is None:
@@ -203,9 +202,9 @@ class KilnClient:
             if problem is not None:
                 problems.append(problem)
                 continue
-            data = inputs.input_bytes(self.connection, value, name)
-            if data is not None:
-                sizes[name] = inputs.inspect_image(data, name, max_bytes=self._max_bytes)
+            found = self._input_size(value, name)
+            if found is not None:
+                sizes[name] = found
         for name, found in sizes.items():
             if name in ("mask", "reference.image"):
                 continue
@@ -219,6 +218,18 @@ class KilnClient:
             if mismatch is not None:
                 problems.append(mismatch)
         return problems
+
+    def _input_size(self, value: str, field: str) -> inputs.InputImage | None:
+        """What the client can know of an input's image: an upload's or inline one's bytes
+        checked, a job output's size as its result recorded it; None for a store uri."""
+        ref = inputs.parse_ref(value, field)
+        if ref.kind == "output":
+            image = inputs.output_image(self.connection, ref, field)
+            return inputs.InputImage(image.sha256, image.format, image.width, image.height, 0)
+        data = inputs.input_bytes(self.connection, value, field)
+        return (
+            None if data is None else inputs.inspect_image(data, field, max_bytes=self._max_bytes)
+        )
 
     @property
     def _max_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """Input images for img2img, inpaint and edit jobs: upload them into Redis, and check a request's
 image or mask reference before anything is enqueued. The worker reads with the same grammar.
 
-A reference is one of three forms, and nothing else:
+A reference is one of four forms, and nothing else:
 
     kiln-input:<sha256>                 bytes client.upload() kept in Redis (kiln:input:<sha256>)
+    kiln-output:<job id>/<n>            image n of a finished job's result, wherever it is stored
     s3://bucket/prefix/...  file:///... a file inside the worker's own store (KILN_OUTPUT_URL)
     data:image/png;base64,...           a small inline image (png, jpeg or webp; DATA_URL_MAX_BYTES)
 
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
     from redis import Redis
 
+    from api_client.schema import ImageFile
+
 INPUT_SCHEME = "kiln-input:"
+OUTPUT_SCHEME = "kiln-output:"  # the gateway shows a result's images as these: no store path
 MB = 1024 * 1024
 DEFAULT_MAX_MB = 16.0  # KILN_INPUT_MAX_MB's default
 DEFAULT_TTL_S = 86400  # KILN_INPUT_TTL_S's default
@@ -59,6 +63,7 @@ MAX_PNG_CHUNKS = 10_000
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FORMATS = ("PNG", "JPEG", "WEBP")  # Pillow's names; the data: media types are their lower case
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_OUTPUT = re.compile(r"(?P<job>[A-Za-z0-9_-]{1,200})/(?P<n>[0-9]{1,2})")
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII)
 _SIGNATURES = (
     (b"\x89PNG\r\n\x1a\n", "PNG"),
@@ -69,8 +74,9 @@ _SIGNATURES = (
 )
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that rotate by 90 degrees
 ACCEPTED = (
-    "a kiln-input: uri from client.upload(), a uri inside the worker's store "
-    "(KILN_OUTPUT_URL: s3:// or file://) or a small data:image/(png|jpeg|webp);base64 URL"
+    "a kiln-input: uri from client.upload(), a finished job's image as kiln-output:<job id>/<n>,"
+    " a uri inside the worker's store (KILN_OUTPUT_URL: s3:// or file://) or a small"
+    " data:image/(png|jpeg|webp);base64 URL"
 )
 
 
@@ -88,12 +94,14 @@ class InputImage:
 
 @dataclass(frozen=True)
 class InputRef:
-    """A parsed reference: kind says which form; sha256 for uploads, data for inline images,
-    bucket/key for s3:// and path for file://."""
+    """A parsed reference: kind says which form; sha256 for uploads, job_id/index for a job's
+    output, data for inline images, bucket/key for s3:// and path for file://."""
 
-    kind: Literal["upload", "data", "s3", "file"]
+    kind: Literal["upload", "output", "data", "s3", "file"]
     uri: str
     sha256: str | None = None
+    job_id: str | None = None
+    index: int | None = None
     data: bytes | None = None
     bucket: str | None = None
     key: str | None = None
@@ -319,6 +327,12 @@ def parse_ref(value: str, field: str = "image") -> InputRef:
             rule = f"must be kiln-input:<sha256>, 64 lowercase hex digits (got {len(sha)} chars)"
             raise InputRefused(Problem(field, shown, rule))
         return InputRef("upload", value, sha256=sha)
+    if value.startswith(OUTPUT_SCHEME):
+        found = _OUTPUT.fullmatch(value[len(OUTPUT_SCHEME) :])
+        if found is None:
+            rule = "must be kiln-output:<job id>/<n>: a job id, then the image's 0-based index"
+            raise InputRefused(Problem(field, shown, rule))
+        return InputRef("output", value, job_id=found["job"], index=int(found["n"]))
     if value.startswith("data:"):
         return InputRef("data", value, data=_data_url_bytes(value, field))
     scheme = urlparse(value).scheme.lower() if "://" in value else ""
@@ -416,6 +430,9 @@ def check_image(
                 max_pixels=max_pixels,
                 cap="the inline data: URL cap",
             )
+        elif ref.kind == "output":
+            if conn is not None:
+                output_image(conn, ref, field)  # InputRefused: no such finished job or image
         elif ref.kind in ("s3", "file"):
             if store_location is not None and not within_store(ref, store_location):
                 rule = (
@@ -431,6 +448,26 @@ def check_image(
     except InputRefused as exc:
         return exc.problem
     return None
+
+
+def output_image(conn: Redis, ref: InputRef, field: str = "image") -> ImageFile:
+    """The result image a kiln-output: reference names (its store uri, size and sha256);
+    InputRefused when that job is unknown, expired, not finished or has no such image. Who may
+    name which job is the gateway's check (api_client.http.tenancy), not this one."""
+    from api_client.errors import KilnError
+    from api_client.job import KilnJob
+
+    rule = "names no image of a finished job (unknown, expired, not finished, or no such index)"
+    try:
+        result = KilnJob(ref.job_id or "", conn).result()
+    except KilnError:
+        result = None
+    if result is None or not 0 <= (ref.index or 0) < len(result.images):
+        raise InputRefused(Problem(field, ref.uri, rule))
+    image = result.images[ref.index or 0]
+    if not image.uri:
+        raise InputRefused(Problem(field, ref.uri, rule))
+    return image
 
 
 def input_bytes(conn: Redis, value: str, field: str = "image") -> bytes | None:

@@ -426,6 +426,7 @@ class WorkerState(BaseModel):
     blocked: str | None = None
     ram: list[str] = Field(default_factory=list)  # models in its RAM cache, off the device
     reading: str | None = None  # the model it reads ahead into that cache now (KILN_PREFETCH)
+    step_cache_off: list[str] = Field(default_factory=list)  # served models whose switch is off
 
 
 class TimingFit(BaseModel):

@@ -26,7 +26,8 @@ is from public copies of them or from the code that wrote them; what none confir
   growth at 32 and reads the rest back off the state dict, as it reads the published file.
 Counted at full size (on the meta device): sd15's ControlNet has 0.361 B parameters, 1.45 GB in
 fp32 as lllyasviel's diffusers files are; sdxl's 1.256 B, 2.51 GB at 16 bits, sdxl-base.yaml's gb
-(the hub file's size); flux's 3.302 B, 6.60 GB at 16 bits, flux1-dev.yaml's gb (it said 6.2 before this count).
+(the hub file's size); flux's 3.302 B, 6.60 GB at 16 bits, flux1-dev.yaml's gb (it said 6.2
+before this count).
 """
 
 from __future__ import annotations

@@ -58,8 +58,10 @@ def test_a_job_submitted_followed_and_fetched_over_http(
     view = json.loads(body)
     assert view["status"] == "finished" and view["result"]["seed"] == 7, view
     [image] = view["result"]["images"]
-    assert image["url"] == f"/v1/jobs/{job_id}/images/0"
-    status, headers, png = call("GET", gateway.url + image["url"], gateway.token)
+    # Absolute, this gateway's; the uri is the opaque name only this token may reuse; no path.
+    assert image["url"] == f"{gateway.url}/v1/jobs/{job_id}/images/0"
+    assert image["uri"] == f"kiln-output:{job_id}/0" and image["path"] is None
+    status, headers, png = call("GET", image["url"], gateway.token)
     assert status == 200 and headers["content-type"] == "image/png"
     import hashlib
 

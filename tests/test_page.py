@@ -190,7 +190,8 @@ def test_a_refusal_is_shown_beside_its_field(page: Any, gateway: Any, redis_conn
     token = wait(page, lambda d: d.find_element(By.NAME, "token"), "the login form")
     token.send_keys("kiln_not-a-token")
     page.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
-    wait(page, lambda d: "unknown or revoked" in d.page_source, "the refused token's message")
+    refused = "unknown, revoked or expired"
+    wait(page, lambda d: refused in d.page_source, "the refused token's message")
     page.find_element(By.NAME, "token").send_keys(gateway.token)
     page.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
     pick_model(page)

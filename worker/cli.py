@@ -345,8 +345,25 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument(
         "--scope", choices=["jobs", "admin"], default="jobs", help="jobs: its own jobs (default)"
     )
+    create.add_argument(
+        "--max-queued",
+        type=int,
+        metavar="N",
+        help="its jobs queued or running at once (default KILN_API_MAX_QUEUED, 100; admin: none)",
+    )
+    create.add_argument(
+        "--upload-mb",
+        type=float,
+        metavar="M",
+        help="its upload MB held in Redis at once (default KILN_API_UPLOAD_MB, 256; admin: none)",
+    )
+    create.add_argument(
+        "--expires", type=float, metavar="DAYS", help="it stops working after DAYS (default never)"
+    )
     create.set_defaults(handler=commands.token_create)
-    listed = token_verbs.add_parser("list", help="token names, scopes and when each was made")
+    listed = token_verbs.add_parser(
+        "list", help="token names, scopes, when each was made and expires, limits"
+    )
     listed.set_defaults(handler=commands.token_list)
     revoke = token_verbs.add_parser("revoke", help="revoke a token by name, on every replica")
     revoke.add_argument("name")

@@ -369,19 +369,23 @@ def token_create(args: argparse.Namespace) -> int:
     from api_client.http.tokens import TokenInvalid
 
     try:
-        print(_tokens().create(args.name, args.scope))
+        token = _tokens().create(
+            args.name,
+            args.scope,
+            max_queued=args.max_queued,
+            upload_mb=args.upload_mb,
+            expires_days=args.expires,
+        )
     except TokenInvalid as exc:
         print(f"kiln api token create: {exc}", file=sys.stderr)
         return 1
+    print(token)
     return 0
 
 
 def token_list(args: argparse.Namespace) -> int:
-    from datetime import datetime, timezone
-
     for info in _tokens().listed():
-        made = datetime.fromtimestamp(info.created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        print(f"{info.name}\t{info.scope}\t{made}")
+        print(info.line())
     return 0
 
 

@@ -9,6 +9,8 @@ errors [{field, value, rule}] and the same detail text as the Python client's Re
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -24,12 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.client import KilnClient
 from api_client.errors import Problem, RequestRejected, UnknownJob, short
-from api_client.http import routes
+from api_client.http import options, routes
+from api_client.http.asgi import echo, text
 from api_client.http.auth import COOKIE, caller
+from api_client.http.body import MAX_PROBLEMS
 from api_client.http.guard import Guard
 from api_client.http.hub import EventHub, connect_async
+from api_client.http.quotas import OverQuota, Quotas
+from api_client.http.sessions import Sessions
 from api_client.http.settings import ApiSettings
-from api_client.http.tokens import Tokens
+from api_client.http.tokens import Caller, Tokens
 from api_client.http.views import PROBLEM_JSON, Health, ProblemDetail
 from api_client.schema import RenderRequest
 
@@ -41,13 +47,23 @@ PAGE_CSP = (
     "style-src 'self'; connect-src 'self'; frame-ancestors 'none'; form-action 'self'; "
     "base-uri 'none'"
 )
+# The login page's one inline script drops a ?token= from the address and the history entry
+# (where the browser allows); the CSP admits that script alone, by its hash.
+LOGIN_SCRIPT = 'if (location.search) history.replaceState(null, "", location.pathname);'
 LOGIN_CSP = (
-    "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"
+    "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none';"
+    " script-src 'sha256-"
+    + base64.b64encode(hashlib.sha256(LOGIN_SCRIPT.encode()).digest()).decode()
+    + "'"
 )
 DOCS_CSP = (
     "default-src 'self'; img-src 'self' data:; script-src 'self' 'unsafe-inline'; "
     "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'"
 )
+# Pages that hold or take a token: never cached, and never sent to another site as a Referer.
+# same-origin, not no-referrer: under no-referrer a browser posts the login form with
+# `Origin: null`, which the Guard rightly refuses.
+NOT_KEPT = {"Cache-Control": "no-store", "Referrer-Policy": "same-origin"}
 HUB_POOL = 8  # connections the event streams' catch-up reads share, however many watch
 
 
@@ -80,8 +96,11 @@ def create_app(settings: ApiSettings, client: KilnClient | None = None) -> FastA
     app.state.settings = settings
     app.state.client = client
     app.state.tokens = Tokens(client.connection)
+    app.state.sessions = Sessions(client.connection, app.state.tokens)
+    app.state.quotas = Quotas(client.connection, settings)
     app.add_middleware(Guard, settings=settings)
     _errors(app)
+    _over_quota(app)
     _public(app)
     private = APIRouter(dependencies=[Depends(caller)])
     private.include_router(routes.router)
@@ -121,32 +140,40 @@ def _json_safe(value: Any) -> Any:
 
 
 def _errors(app: FastAPI) -> None:
+    def refused(problems: list[Problem], model: str | None = None) -> JSONResponse:
+        """422 listing the first MAX_PROBLEMS problems, each echoed as it can be sent: a 400,000
+        key body made a 30 MB refusal, and a lone surrogate or a NaN echoed made a 500."""
+        shown = [
+            Problem(echo(p.field), echo(p.value), text(p.rule)) for p in problems[:MAX_PROBLEMS]
+        ]
+        detail = str(RequestRejected(shown, model))
+        if len(problems) > len(shown):
+            detail += f" (errors lists the first {len(shown)} of {len(problems)} problems)"
+        return problem(422, "Request rejected", text(detail), shown)
+
     @app.exception_handler(RequestRejected)
     async def rejected(request: Request, exc: RequestRejected) -> JSONResponse:
-        return problem(422, "Request rejected", str(exc), exc.problems)
+        return refused(exc.problems, exc.model)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        body_errors = [e for e in exc.errors() if e.get("loc", ("",))[0] == "body"]
-        if body_errors and _takes_render_request(request):
+        errors = exc.errors()
+        if any(e.get("loc", ("",))[0] == "body" for e in errors) and _takes_render_request(request):
             # The body is a RenderRequest: refuse it in RenderRequest.parse's own words.
             try:
                 RenderRequest.parse(exc.body)
             except RequestRejected as rejected:
-                return problem(422, "Request rejected", str(rejected), rejected.problems)
+                return refused(rejected.problems, rejected.model)
         problems = [
-            Problem(
-                ".".join(str(p) for p in e.get("loc", ())[1:])
-                or str(e.get("loc", ("request",))[0]),
-                short(e.get("input")),
-                e.get("msg", "invalid"),
-            )
-            for e in exc.errors()
+            Problem(_field(e.get("loc", ())), e.get("input"), e.get("msg", "invalid"))
+            for e in errors
         ]
-        return problem(422, "Request rejected", str(RequestRejected(problems)), problems)
+        return refused(problems)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405 and request.method == "OPTIONS":
+            return options.answer(request)  # no route takes OPTIONS itself: every path is here
         titles = {
             400: "Bad request",
             401: "Unauthorized",
@@ -158,9 +185,8 @@ def _errors(app: FastAPI) -> None:
             405: "Method not allowed",
         }
         headers = dict(exc.headers or {})
-        return problem(
-            exc.status_code, titles.get(exc.status_code, "Error"), str(exc.detail), headers=headers
-        )
+        title = titles.get(exc.status_code, "Error")
+        return problem(exc.status_code, title, text(str(exc.detail)), headers=headers)
 
     @app.exception_handler(UnknownJob)
     async def unknown(request: Request, exc: UnknownJob) -> JSONResponse:
@@ -181,6 +207,14 @@ def _takes_render_request(request: Request) -> bool:
     """Whether the route's body is a RenderRequest, as the route itself declares it."""
     body = getattr(request.scope.get("route"), "body_field", None)
     return body is not None and body.field_info.annotation is RenderRequest
+
+
+def _over_quota(app: FastAPI) -> None:
+    @app.exception_handler(OverQuota)
+    async def over(request: Request, exc: OverQuota) -> JSONResponse:
+        problems = [Problem(exc.limit, None, str(exc))]
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        return problem(429, "Too many requests", str(exc), problems, headers=headers)
 
 
 # -- public: health, the login -------------------------------------------------------------------
@@ -208,45 +242,55 @@ def _public(app: FastAPI) -> None:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page(request: Request, token: str | None = None) -> Response:
-        """The page for a session; the login form without one. /?token=... logs in and drops
-        the token from the address bar."""
-        tokens: Tokens = request.app.state.tokens
+        """The page for a session; the login form without one. /?token=... logs in (a new
+        session, the token dropped from the address bar), except from a cross-site
+        navigation: another site's link must not log a browser into someone else's account
+        (login CSRF), so it gets the form and nothing is set."""
+        sessions: Sessions = request.app.state.sessions
         if token is not None:
-            if tokens.caller(token) is None:
-                return _login(request, "That token is unknown or revoked.", status=401)
-            return _session(request, token)
+            if request.headers.get("sec-fetch-site", "none") not in ("none", "same-origin"):
+                return _login(request, "Log in with your own token.")
+            found = request.app.state.tokens.caller(token)
+            if found is None:
+                return _login(request, "That token is unknown, revoked or expired.", status=401)
+            return _session(request, found)
         session = request.cookies.get(COOKIE)
-        if session and tokens.caller(session) is not None:
+        if session and sessions.caller(session) is not None:
             return FileResponse(
                 STATIC / "index.html",
                 media_type="text/html",
-                headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-store"},
+                headers={"Content-Security-Policy": PAGE_CSP, **NOT_KEPT},
             )
         return _login(request)
 
     @app.post("/login", include_in_schema=False)
     def login(request: Request, token: str = Form(max_length=200)) -> Response:
-        if request.app.state.tokens.caller(token) is None:
-            return _login(request, "That token is unknown or revoked.", status=401)
-        return _session(request, token)
+        found = request.app.state.tokens.caller(token)
+        if found is None:
+            return _login(request, "That token is unknown, revoked or expired.", status=401)
+        return _session(request, found)
 
     @app.post("/logout", include_in_schema=False)
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
+        request.app.state.sessions.end(request.cookies.get(COOKIE) or "")
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
 
 
-def _session(request: Request, token: str) -> Response:
-    response = RedirectResponse("/", status_code=303)
+def _session(request: Request, caller: Caller) -> Response:
+    """A new session for the caller, in an HttpOnly, SameSite=Strict cookie (Secure over https,
+    which a proxy named in KILN_API_PROXIES may forward)."""
+    session, lifetime = request.app.state.sessions.start(caller)
+    response = RedirectResponse("/", status_code=303, headers=NOT_KEPT)
     response.set_cookie(
         COOKIE,
-        token,
+        session,
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
         path="/",
-        max_age=30 * 24 * 3600,
+        max_age=lifetime,
     )
     return response
 
@@ -259,7 +303,7 @@ def _login(request: Request, message: str = "", status: int = 200) -> HTMLRespon
     return HTMLResponse(
         html,
         status_code=status,
-        headers={"Content-Security-Policy": LOGIN_CSP, "Cache-Control": "no-store"},
+        headers={"Content-Security-Policy": LOGIN_CSP, **NOT_KEPT},
     )
 
 

@@ -6,30 +6,38 @@ from __future__ import annotations
 
 from fastapi import HTTPException, Request
 
+from api_client.http.sessions import Sessions
 from api_client.http.tokens import Caller, Tokens
 
 COOKIE = "kiln_session"
 
 
-def presented(request: Request) -> str | None:
-    """The token a request carries, from its Authorization header or its session cookie."""
+def bearer(request: Request) -> str | None:
+    """The token an Authorization header carries, if any."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.cookies.get(COOKIE) or None
+    return None
 
 
 def caller(request: Request) -> Caller:
     """The route's dependency: the caller, or 401. A plain def, so FastAPI runs its Redis read
     in the thread pool, off the event loop."""
     tokens: Tokens = request.app.state.tokens
-    token = presented(request)
-    found = tokens.caller(token) if token else None
+    sessions: Sessions = request.app.state.sessions
+    token = bearer(request)
+    session = request.cookies.get(COOKIE)
+    if token is not None:
+        found = tokens.caller(token)
+    else:
+        found = sessions.caller(session) if session else None
     if found is None:
         detail = "a valid token is needed: Authorization: Bearer <token>, or log in on the page"
         if token:
-            detail = "the token is unknown or revoked"
+            detail = "the token is unknown, revoked or expired"
+        elif session:
+            detail = "the session is over (its token was revoked or expired): log in again"
         raise HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
     request.state.caller = found
     return found

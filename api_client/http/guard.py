@@ -2,27 +2,22 @@
 refused (DNS rebinding: a hostile page's name resolved to 127.0.0.1 still sends its own Host); a
 state-changing request from another origin is refused unless KILN_API_ORIGINS names it (a page
 on any website can POST to localhost: ComfyUI#4850), `Origin: null` never passes; a body past
-KILN_API_MAX_BODY_MB is refused, by its Content-Length or by what arrived.
+KILN_API_MAX_BODY_MB is refused, by its Content-Length or by what arrived; a JSON body is then
+bounded before it is parsed (body.py). Every answer, its own refusals included, says nosniff.
 
 It is plain ASGI, not a BaseHTTPMiddleware, so the event streams pass through it unbuffered."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 from urllib.parse import urlsplit
 
+from api_client.http.asgi import App, Message, Receive, Scope, Send, refuse
+from api_client.http.body import JsonBodies
 from api_client.http.settings import ApiSettings
-from api_client.http.views import PROBLEM_JSON
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# A browser that sniffs a type would run an echoed body or an uploaded image as a script.
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 
 
 class BodyTooLarge(Exception):
@@ -31,7 +26,7 @@ class BodyTooLarge(Exception):
 
 class Guard:
     def __init__(self, app: App, settings: ApiSettings) -> None:
-        self.app = app
+        self.app = JsonBodies(app)
         self.hosts = settings.allowed_hosts()
         self.origins = set(settings.origins)
         self.max_body = settings.max_body_bytes
@@ -41,20 +36,21 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _nosniff(send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "").lower()
         if host not in self.hosts:
             shown = host[:100] or "(none)"
-            await _refuse(send, 421, "Host not allowed", f"Host {shown!r} is not in KILN_API_HOSTS")
+            await refuse(send, 421, "Host not allowed", f"Host {shown!r} is not in KILN_API_HOSTS")
             return
         if scope["method"] not in SAFE_METHODS:
             refused = self._cross_origin(headers, host)
             if refused:
-                await _refuse(send, 403, "Cross-origin request refused", refused)
+                await refuse(send, 403, "Cross-origin request refused", refused)
                 return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
-            await _refuse(send, 413, "Body too large", self._too_large(int(length)))
+            await refuse(send, 413, "Body too large", self._too_large(int(length)))
             return
         await self._within_cap(scope, receive, send)
 
@@ -98,19 +94,15 @@ class Guard:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, 413, "Body too large", self._too_large(received))
+                await refuse(send, 413, "Body too large", self._too_large(received))
 
 
-async def _refuse(send: Send, status: int, title: str, detail: str) -> None:
-    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", PROBLEM_JSON.encode()),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body.encode()})
+def _nosniff(send: Send) -> Send:
+    async def sent(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if all(key.lower() != NOSNIFF[0] for key, _ in headers):
+                message["headers"] = [*headers, NOSNIFF]
+        await send(message)
+
+    return sent

@@ -5,14 +5,18 @@ Routes are plain defs unless they stream: FastAPI runs them in its thread pool, 
 synchronous KilnClient (the Python client, unchanged) does the work. The event stream is async
 and reads through the gateway's one EventHub.
 
+What a tenant may send and is shown is tenancy's; its limits are quotas'. Every JSON answer here
+is `Cache-Control: no-store` (the router's dependency): a job view is one caller's, and current.
+
 Over 400 lines because every /v1 route stands here with the responses it declares to the OpenAPI
 document (schemathesis holds each answer to them), beside the few helpers they share (owned_job,
-links, with_urls, in_published_store); one router is what app.py hangs under auth."""
+links, in_published_store); one router is what app.py hangs under auth."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from typing import Annotated, Any
 from urllib.parse import unquote, urlparse
 
@@ -24,8 +28,10 @@ from api_client import events, inputs, keys
 from api_client.client import JOB_ID, KilnClient
 from api_client.errors import Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.fetch import FetchFailed, fetch_image
+from api_client.http import tenancy
 from api_client.http.auth import caller
 from api_client.http.hub import EventHub
+from api_client.http.quotas import Quotas
 from api_client.http.tokens import Caller, Tokens
 from api_client.http.views import (
     PROBLEM_JSON,
@@ -44,7 +50,7 @@ from api_client.http.views import (
     WorkerView,
 )
 from api_client.job import KilnJob
-from api_client.schema import JobEvent, RenderRequest, RenderResult
+from api_client.schema import JobEvent, RenderRequest
 
 KEEPALIVE_S = 15.0
 EVENT_ID = re.compile(r"0|\d{1,20}-\d{1,20}")
@@ -52,7 +58,14 @@ UPLOAD_TYPES = ("image/png", "image/jpeg", "image/webp")
 MAX_LIST = 100
 BINARY = {"type": "string", "format": "binary"}
 
-router = APIRouter(prefix="/v1")
+
+def no_store(response: Response) -> None:
+    response.headers["Cache-Control"] = "no-store"
+
+
+# Routes that answer with a Response of their own (images, previews, events) set their own
+# Cache-Control; the dependency's reaches the JSON answers.
+router = APIRouter(prefix="/v1", dependencies=[Depends(no_store)])
 
 
 def _problem(status: int, description: str) -> dict[str, Any]:
@@ -86,7 +99,8 @@ REJECTED: Responses = {
         422, "the request breaks its manifest or the schema (errors: field, value, rule)"
     ),
     413: _problem(413, "a body over KILN_API_MAX_BODY_MB"),
-    409: _problem(409, "the job id names another caller's job"),
+    409: _problem(409, "the job id is taken: not one the caller may take"),
+    429: _problem(429, "a limit of the caller's token is reached (Retry-After says when to retry)"),
 }
 
 
@@ -98,6 +112,17 @@ def client_of(request: Request) -> KilnClient:
 def tokens_of(request: Request) -> Tokens:
     tokens: Tokens = request.app.state.tokens
     return tokens
+
+
+def quotas_of(request: Request) -> Quotas:
+    quotas: Quotas = request.app.state.quotas
+    return quotas
+
+
+def base_of(request: Request) -> str:
+    """This gateway's absolute URL as the caller reached it (a named proxy's forwarded scheme
+    and host included), with no trailing slash."""
+    return str(request.base_url).rstrip("/")
 
 
 Client = Annotated[KilnClient, Depends(client_of)]
@@ -148,17 +173,19 @@ def list_models(client: Client, who: Auth) -> ModelList:
 
 @router.get("/workers", response_model=WorkerList, responses=REFUSED)
 def list_workers(client: Client, who: Auth) -> WorkerList:
-    """Live workers (what `kiln top` shows): models, resident rungs, free memory, the running
-    job and where it is."""
+    """Live workers (what `kiln top` shows): models, resident rungs, free memory; the running
+    job and where it is for an admin token only (another tenant's job id is not a tenant's to
+    learn)."""
     views = []
     for state in sorted(client.workers(), key=lambda s: s.name):
+        shown = tenancy.shown_worker(state, who)
         progress = None
-        if state.running:
+        if shown.running:
             try:
-                progress = client.job(state.running).progress()
+                progress = client.job(shown.running).progress()
             except (UnknownJob, RenderFailed):
                 progress = None
-        views.append(WorkerView(state=state, progress=progress))
+        views.append(WorkerView(state=shown, progress=progress))
     return WorkerList(workers=views)
 
 
@@ -188,17 +215,31 @@ def list_queues(client: Client, who: Auth) -> QueueList:
 def _submit(
     request: Request, who: Caller, body: RenderRequest, job_id: str | None
 ) -> tuple[KilnJob, bool]:
-    """Submit for the caller; (job, created). An id that names another caller's job is 409."""
-    tokens = tokens_of(request)
-    client = client_of(request)
+    """Submit for the caller; (job, created). An id the caller cannot take (another tenant's,
+    or one made outside the gateway) is 409 in one set of words, and nothing is created."""
+    tokens, client, quotas = tokens_of(request), client_of(request), quotas_of(request)
     existed = job_id is not None and request_exists(client, job_id)
     if existed and job_id is not None and not tokens.owns(who, job_id):
-        raise HTTPException(409, f"job id {job_id[:200]!r} is taken: choose another")
-    job = client.submit(body, job_id=job_id)
+        raise _taken(job_id)
+    admitted = tenancy.admit(body, who, client, tokens, quotas)
+    job_id = job_id or uuid.uuid4().hex  # chosen here: the quota counts it before it is queued
+    if not existed:
+        quotas.take_job(who, job_id)
+    try:
+        job = client.submit(admitted, job_id=job_id)
+    except BaseException:
+        if not existed:
+            quotas.give_back_job(who, job_id)
+        raise
     if not job.created and not existed and not tokens.owns(who, job.id):
-        raise HTTPException(409, f"job id {job.id[:200]!r} is taken: choose another")
+        quotas.give_back_job(who, job_id)
+        raise _taken(job.id)
     tokens.record_job(who, job.id)
     return job, job.created
+
+
+def _taken(job_id: str) -> HTTPException:
+    return HTTPException(409, f"job id {job_id[:200]!r} is taken: choose another")
 
 
 def request_exists(client: KilnClient, job_id: str) -> bool:
@@ -234,9 +275,7 @@ def create_job(
     (from the same caller) returns the same job and never renders twice."""
     job_id = None
     if idempotency_key is not None:
-        job_id = (
-            "idem-" + hashlib.sha256(f"{who.name}\n{idempotency_key}".encode()).hexdigest()[:40]
-        )
+        job_id = "idem-" + hashlib.sha256(f"{who.id}\n{idempotency_key}".encode()).hexdigest()[:40]
     job, created = _submit(request, who, body, job_id)
     return _created(request, response, job, created)
 
@@ -269,41 +308,30 @@ def list_jobs(
     """The caller's recent jobs made through a gateway, newest first (an admin's: everyone's)."""
     ids = tokens_of(request).recent_jobs(who, limit)
     client = client_of(request)
-    views = [view_job(request, client.job(job_id), eta=False) for job_id in ids]
+    views = [view_job(request, who, client.job(job_id), eta=False) for job_id in ids]
     return JobList(jobs=[view for view in views if view is not None])
 
 
 @router.get("/jobs/{job_id}", response_model=JobView, responses=JOB_REFUSED)
 def read_job(job_id: str, request: Request, who: Auth) -> JobView:
     """Status, queue position, ETA, progress, and the result or the worker's error."""
-    view = view_job(request, owned_job(request, who, job_id), eta=True)
+    view = view_job(request, who, owned_job(request, who, job_id), eta=True)
     if view is None:
         raise HTTPException(404, f"no job {job_id[:200]!r} (never submitted, or expired)")
     return view
 
 
-def view_job(request: Request, job: KilnJob, eta: bool) -> JobView | None:
-    """The job as the API shows it (the Python client's job.snapshot(), its image URLs this
-    gateway's); None when Redis holds no such job."""
+def view_job(request: Request, who: Caller, job: KilnJob, eta: bool) -> JobView | None:
+    """The job as the API shows it (the Python client's job.snapshot() through tenancy's view:
+    images and preview as this gateway's URLs, no store path); None when Redis holds no such
+    job."""
     try:
         snapshot = job.snapshot(eta=eta)
     except UnknownJob:
         return None
-    if snapshot.result is not None:
-        snapshot.result = with_urls(request, job.id, snapshot.result)
-    return JobView(**dict(snapshot), urls=links(request, job.id))
-
-
-def with_urls(request: Request, job_id: str, result: RenderResult) -> RenderResult:
-    """result.images[].url: this gateway's URL for a local store; S3's presigned URL stays."""
-    root = request.scope.get("root_path", "")
-    images = [
-        image
-        if image.uri and image.uri.startswith("s3://") and image.url
-        else image.model_copy(update={"url": f"{root}/v1/jobs/{job_id}/images/{n}"})
-        for n, image in enumerate(result.images)
-    ]
-    return result.model_copy(update={"images": images})
+    masks = client_of(request).stores() if snapshot.error and not who.admin else []
+    shown = tenancy.shown_snapshot(base_of(request), snapshot, who, masks)
+    return JobView(**dict(shown), urls=links(request, job.id))
 
 
 @router.post(
@@ -422,6 +450,7 @@ async def job_events(
     job = await run_in_threadpool(owned_job, request, who, job_id)
     await run_in_threadpool(job.status)  # UnknownJob -> 404 before the stream starts
     hub: EventHub = request.app.state.hub
+    base, client = base_of(request), client_of(request)
 
     async def stream() -> Any:
         yield ": kiln events\n\n"
@@ -431,9 +460,11 @@ async def job_events(
                     return
                 yield ": keepalive\n\n"
                 continue
-            if event.result is not None:
-                event.result = with_urls(request, job.id, event.result)
-            data = event.model_dump_json(exclude_none=True)
+            masks = []
+            if event.error is not None and not who.admin:
+                masks = await run_in_threadpool(client.stores)
+            shown = tenancy.shown_event(base, event, who, masks)
+            data = shown.model_dump_json(exclude_none=True)
             yield f"id: {event.id}\nevent: {event.kind}\ndata: {data}\n\n"
 
     return StreamingResponse(
@@ -473,13 +504,14 @@ def ended_without_event(job: KilnJob) -> bool:
     },
 )
 async def upload(request: Request, who: Auth) -> Uploaded:
-    """An input image for img2img, inpaint or edit, checked as client.upload checks it; its
-    kiln-input: uri goes in a request's image or mask."""
+    """An input image for img2img, inpaint, edit, a control or a reference, checked as
+    client.upload checks it and charged to the token's upload limit; its kiln-input: uri goes
+    in a request's image, mask, controls or reference. Checked in the thread pool: decoding a
+    large image must not hold up the event loop."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in UPLOAD_TYPES:
         raise HTTPException(415, f"Content-Type {kind[:80]!r}: send {', '.join(UPLOAD_TYPES)}")
     data = await request.body()
-    client = client_of(request)
-    uri = await run_in_threadpool(client.upload, data)
-    found = inputs.inspect_image(data, max_bytes=int(client.input_max_mb * inputs.MB))
+    client, quotas = client_of(request), quotas_of(request)
+    uri, found = await run_in_threadpool(tenancy.keep_upload, data, "image", who, client, quotas)
     return Uploaded(uri=uri, sha256=found.sha256, width=found.width, height=found.height)

@@ -46,5 +46,6 @@ def serve(settings: ApiSettings) -> int:
         log_level="warning",
         access_log=False,  # an access log would print /?token=... lines
         proxy_headers=True,
+        forwarded_allow_ips=list(settings.proxies),
     )
     return 0

@@ -3,7 +3,10 @@
 KILN_API_HOST, KILN_API_PORT (default 127.0.0.1:8700), KILN_API_HOSTS (Host headers accepted,
 comma separated; default the bound host, localhost, 127.0.0.1 and [::1], each with or without
 the port), KILN_API_ORIGINS (origins besides the page's own allowed to change state, comma
-separated, e.g. https://studio.example), KILN_API_MAX_BODY_MB (default 20), and the client's own:
+separated, e.g. https://studio.example), KILN_API_MAX_BODY_MB (default 20), the tenants' default
+limits KILN_API_MAX_QUEUED (jobs queued or running per token, 100) and KILN_API_UPLOAD_MB (upload
+bytes a token holds in Redis, 256), KILN_API_PROXIES (addresses of the reverse proxies whose
+X-Forwarded-Proto and -For are believed, comma separated; default 127.0.0.1), and the client's own:
 KILN_REDIS_URL, KILN_MANIFESTS, KILN_EVENTS_RETENTION_S, KILN_INPUT_MAX_MB, KILN_INPUT_TTL_S."""
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8700
 DEFAULT_MAX_BODY_MB = 20.0
+DEFAULT_MAX_QUEUED = 100
+DEFAULT_UPLOAD_MB = 256.0
 LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -33,6 +38,9 @@ class ApiSettings:
     hosts: tuple[str, ...] = ()  # extra Host values; the bound host and loopback always pass
     origins: tuple[str, ...] = ()  # extra origins allowed to change state
     max_body_mb: float = DEFAULT_MAX_BODY_MB
+    max_queued: int = DEFAULT_MAX_QUEUED  # a jobs token's jobs queued or running at once
+    upload_mb: float = DEFAULT_UPLOAD_MB  # a jobs token's upload bytes held in Redis at once
+    proxies: tuple[str, ...] = ("127.0.0.1",)  # uvicorn's forwarded_allow_ips
     redis_url: str = "redis://localhost:6379/0"
     manifests_dir: str = ""  # KILN_MANIFESTS: read after the shipped manifests
     events_retention_s: float | None = None
@@ -93,6 +101,12 @@ class ApiSettings:
         max_body = _number(env, "KILN_API_MAX_BODY_MB", float, DEFAULT_MAX_BODY_MB)
         if not max_body > 0:
             raise ApiSettingsInvalid(f"KILN_API_MAX_BODY_MB={max_body}: must be above 0")
+        max_queued = int(_number(env, "KILN_API_MAX_QUEUED", int, DEFAULT_MAX_QUEUED))
+        if not max_queued >= 1:
+            raise ApiSettingsInvalid(f"KILN_API_MAX_QUEUED={max_queued}: must be at least 1")
+        upload_mb = _number(env, "KILN_API_UPLOAD_MB", float, DEFAULT_UPLOAD_MB)
+        if not upload_mb > 0:
+            raise ApiSettingsInvalid(f"KILN_API_UPLOAD_MB={upload_mb}: must be above 0")
         origins = _list(env, "KILN_API_ORIGINS")
         for origin in origins:
             if origin == "null" or "://" not in origin or origin.endswith("/"):
@@ -106,6 +120,9 @@ class ApiSettings:
             hosts=tuple(h.lower() for h in _list(env, "KILN_API_HOSTS")),
             origins=tuple(o.lower() for o in origins),
             max_body_mb=max_body,
+            max_queued=max_queued,
+            upload_mb=upload_mb,
+            proxies=tuple(_list(env, "KILN_API_PROXIES")) or ("127.0.0.1",),
             redis_url=env.get("KILN_REDIS_URL") or "redis://localhost:6379/0",
             manifests_dir=env.get("KILN_MANIFESTS") or "",
             events_retention_s=optional("KILN_EVENTS_RETENTION_S", float),

@@ -29,6 +29,7 @@ from api_client.errors import short
 from api_client.schema import JobEvent, RenderResult, WorkerState
 from worker.manifest import publish_manifests
 from worker.memory import device as dev
+from worker.pipelines.switches import switch
 from worker.queue import events as job_events
 from worker.queue import metrics, quarantine
 from worker.queue.job import LEASE_LOST
@@ -141,6 +142,13 @@ class StatePublisher:
         self.webhooks = webhooks
         self.repair = repair
         self._published_resident: list[str] = []
+        # The gateway refuses a tenant's step_cache: true for a model no serving worker allows it.
+        self.step_cache_off = [
+            model
+            for model in served
+            if model in renderer.manifests
+            and switch(renderer.manifests[model], renderer.settings, "step_cache") == "off"
+        ]
 
     def publish(self, now: Snapshot, conn: Any = None, sweep: bool = True) -> None:
         """The state as of now, queued on conn or sent in one round trip. sweep also drops the
@@ -167,6 +175,7 @@ class StatePublisher:
             blocked=now.blocked,
             ram=renderer.cache.ram.model_ids(),
             reading=renderer.prefetcher.reading(),
+            step_cache_off=self.step_cache_off,
         )
         pipe.set(keys.worker_key(self.name), state.model_dump_json(), ex=WORKER_STATE_TTL_S)
         pipe.zadd(keys.WORKERS_KEY, {self.name: moment})

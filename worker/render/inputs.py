@@ -9,6 +9,7 @@ again later; everything else raises InputUnavailable, which fails the job with i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -28,6 +29,7 @@ from api_client.inputs import (
     decode_image,
     expired_rule,
     megabytes,
+    output_image,
     parse_ref,
     uploaded_bytes,
     within_store,
@@ -94,10 +96,26 @@ def read_input(
         return ref.data or b""
     if ref.kind == "upload":
         return _uploaded(ref, conn, field, ttl_s)
+    expected = None
+    if ref.kind == "output":
+        ref, expected = _output(ref, conn, field)
     data = _from_store(ref, store, field, max_bytes)
     if len(data) > max_bytes:
         raise InputUnavailable(_line(field, uri, _over(len(data), max_bytes)))
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise InputUnavailable(_line(field, uri, "changed in the store since its job wrote it"))
     return data
+
+
+def _output(ref: InputRef, conn: Redis, field: str) -> tuple[InputRef, str | None]:
+    """The store object a kiln-output: reference names, still named by the reference in every
+    error (the requester never learns the store's path), and the sha256 its job recorded."""
+    try:
+        image = output_image(conn, ref, field)
+        stored = parse_ref(image.uri or "", field)
+    except InputRefused as exc:
+        raise InputUnavailable(_line(field, ref.uri, exc.problem.rule)) from None
+    return dataclasses.replace(stored, uri=ref.uri), image.sha256
 
 
 def open_input(
