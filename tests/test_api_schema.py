@@ -1,5 +1,5 @@
 """The gateway against its own contract: schemathesis reads the running `kiln api`'s
-/openapi.json (with the admin token) and sends generated requests, valid and invalid, to every
+/openapi.json and sends generated requests with a jobs token, valid and invalid, to every
 operation in it. No response is a 5xx, and every response, refusals included, has a status,
 content type and body the document declares for that operation.
 
@@ -24,6 +24,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from api_client.http.tokens import Tokens
 from tests.fixtures.gateway import call
 
 MAX_EXAMPLES = 12  # per operation and generation mode (valid, invalid)
@@ -39,7 +40,7 @@ CHECKS = [
 
 @pytest.fixture
 def api_schema(gateway: Any, redis_conn: Redis) -> Any:
-    """The running gateway's own document, every generated request carrying the admin token.
+    """The running gateway's own document, every generated request carrying a jobs token.
     A manifest is published first, so /v1/models and a valid job have something to name."""
     from api_client import keys
     from api_client.manifest import load_manifest_file
@@ -47,7 +48,8 @@ def api_schema(gateway: Any, redis_conn: Redis) -> Any:
 
     manifest = load_manifest_file(MANIFESTS / "tiny-sd15.yaml")  # as a worker publishes it
     redis_conn.hset(keys.MANIFESTS_KEY, manifest.id, manifest.model_dump_json())
-    auth = {"Authorization": f"Bearer {gateway.token}"}
+    # A tenant's token: what a stranger on a shared gateway can send (its quotas, its pins).
+    auth = {"Authorization": f"Bearer {Tokens(redis_conn).create('schema-tenant')}"}
     status, _, body = call("GET", gateway.url + "/openapi.json", gateway.token)
     assert status == 200, body
     assert json.loads(body)["paths"], "the gateway's document lists no operations"
