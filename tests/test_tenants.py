@@ -24,6 +24,7 @@ from api_client.http import tenancy
 from api_client.http.sessions import SESSION_PREFIX
 from api_client.http.tokens import Tokens
 from api_client.schema import WorkerState
+from tests.conftest import kiln
 from tests.fixtures.gateway import call
 from tests.helpers import burst, client_for, make_renderer, make_worker
 from worker.queue.publisher import Snapshot
@@ -374,3 +375,18 @@ def test_an_output_changed_in_the_store_is_refused_by_the_worker_without_its_pat
     view = json.loads(body)
     assert view["status"] == "failed" and "changed in the store" in view["error"], view
     assert f"kiln-output:{job}/0" in view["error"] and str(settings.output_dir).encode() not in body
+
+
+def test_token_create_takes_limits_and_an_expiry(kiln_env: dict[str, str]) -> None:
+    made = kiln(
+        "api", "token", "create", "shop", "--max-queued", "3", "--upload-mb", "5",
+        "--expires", "2", env=kiln_env,
+    )  # fmt: skip
+    assert made.returncode == 0 and made.stdout.startswith("kiln_"), made.stderr
+    [line] = [
+        x for x in kiln("api", "token", "list", env=kiln_env).stdout.splitlines() if "shop" in x
+    ]
+    assert "max-queued 3" in line and "upload 5 MB" in line and "expires never" not in line
+    for flag, value, word in (("--max-queued", "0", "1-100000"), ("--expires", "-1", "days")):
+        refused = kiln("api", "token", "create", "bad", flag, value, env=kiln_env)
+        assert refused.returncode == 1 and word in refused.stderr and not refused.stdout
