@@ -11,8 +11,6 @@ A reference is one of four forms, and nothing else:
 Never an http(s) URL (a worker that fetched one would make requests on the sender's behalf into
 its own network: server-side request forgery), never a bare path on the worker's disk.
 
-Over 300 lines because every form and every refusal is spelled out here once, for both sides.
-
 Pillow is imported only when an image is checked, so `import api_client` stays light; a backend
 without Pillow still gets the format checked from the file's signature, and the worker decodes
 and checks everything again (never trust the queue).

@@ -21,7 +21,7 @@ from tests.fixtures.stall import Load, poll, wide_body
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a loop", "steps": 2, "seed": 3}
 MAX_REFUSAL_BYTES = 20_000
-HEALTHZ_LIMIT_S = 1.0  # DESIGN.md, Tenants: /healthz answers within 1 s under this load
+HEALTHZ_LIMIT_S = 1.0  # docs/contract.md, Tenants: /healthz answers within 1 s under this load
 POLLS = 20
 
 

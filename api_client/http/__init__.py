@@ -1,7 +1,7 @@
 """kiln's HTTP gateway (`kiln api`): a stateless client of the queue over the same Redis, built
 on api_client (never torch), so any number of replicas can run behind a proxy.
 
-The extra `kiln[api]` (FastAPI, uvicorn) is loaded by `kiln api` only: `import api_client` and
+The extra `kiln-render[api]` (FastAPI, uvicorn) is loaded by `kiln api` only: `import api_client` and
 `kiln --help` never import it (tests/test_client_import.py). This package's __init__ imports
 nothing; tokens.py and settings.py need only redis and the standard library, so `kiln api token`
 runs without the web framework too.

@@ -1,7 +1,7 @@
 """Pipelines resident in this worker: what a load produced (LoadedPipeline), the cache that keeps
 them across jobs with least-recently-used eviction, and the release of their device memory.
 
-Over 300 lines because the device cache, the host-RAM cache it evicts into and the release of
+The device cache, the host-RAM cache it evicts into and the release of
 what they held are one lifecycle of a pipeline, read together."""
 
 from __future__ import annotations
