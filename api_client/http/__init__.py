@@ -1,10 +1,10 @@
 """kiln's HTTP gateway (`kiln api`): a stateless client of the queue over the same Redis, built
 on api_client (never torch), so any number of replicas can run behind a proxy.
 
-The extra `kiln-render[api]` (FastAPI, uvicorn) is loaded by `kiln api` only: `import api_client` and
-`kiln --help` never import it (tests/test_client_import.py). This package's __init__ imports
-nothing; tokens.py and settings.py need only redis and the standard library, so `kiln api token`
-runs without the web framework too.
+The extra `kiln-render[api]` (FastAPI, uvicorn) is loaded by `kiln api` only: `import
+api_client` and `kiln --help` never import it (tests/test_client_import.py). This package's
+__init__ imports nothing; tokens.py and settings.py need only redis and the standard library, so
+`kiln api token` runs without the web framework too.
 
     settings.py   KILN_API_* settings, read once
     tokens.py     API tokens, kept hashed in Redis; who owns which job
