@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.client import KilnClient
 from api_client.errors import Problem, RequestRejected, UnknownJob, short
-from api_client.http import options, routes
+from api_client.http import openai, options, routes
 from api_client.http.asgi import echo, text
 from api_client.http.auth import COOKIE, caller
 from api_client.http.body import MAX_PROBLEMS
@@ -104,6 +104,7 @@ def create_app(settings: ApiSettings, client: KilnClient | None = None) -> FastA
     _public(app)
     private = APIRouter(dependencies=[Depends(caller)])
     private.include_router(routes.router)
+    app.include_router(openai.router)
     _private(private, app)
     app.include_router(private)
     return app
@@ -132,6 +133,22 @@ def problem(
     )
 
 
+def answer(
+    request: Request,
+    status: int,
+    title: str,
+    detail: str,
+    problems: list[Problem] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A refusal in the caller's dialect: OpenAI's error object under /openai/v1 (a kiln 422 is
+    its 400, the first field broken its param), else problem+json."""
+    if openai.speaks(request):
+        param = openai.param(problems[0].field) if problems else None
+        return openai.error(400 if status == 422 else status, detail, param, headers=headers)
+    return problem(status, title, detail, problems, headers)
+
+
 def _json_safe(value: Any) -> Any:
     value = short(value)
     if value is None or isinstance(value, (str, int, float, bool)):
@@ -140,7 +157,9 @@ def _json_safe(value: Any) -> Any:
 
 
 def _errors(app: FastAPI) -> None:
-    def refused(problems: list[Problem], model: str | None = None) -> JSONResponse:
+    def refused(
+        request: Request, problems: list[Problem], model: str | None = None
+    ) -> JSONResponse:
         """422 listing the first MAX_PROBLEMS problems, each echoed as it can be sent: a 400,000
         key body made a 30 MB refusal, and a lone surrogate or a NaN echoed made a 500."""
         shown = [
@@ -149,11 +168,11 @@ def _errors(app: FastAPI) -> None:
         detail = str(RequestRejected(shown, model))
         if len(problems) > len(shown):
             detail += f" (errors lists the first {len(shown)} of {len(problems)} problems)"
-        return problem(422, "Request rejected", text(detail), shown)
+        return answer(request, 422, "Request rejected", text(detail), shown)
 
     @app.exception_handler(RequestRejected)
     async def rejected(request: Request, exc: RequestRejected) -> JSONResponse:
-        return refused(exc.problems, exc.model)
+        return refused(request, exc.problems, exc.model)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -163,12 +182,12 @@ def _errors(app: FastAPI) -> None:
             try:
                 RenderRequest.parse(exc.body)
             except RequestRejected as rejected:
-                return refused(rejected.problems, rejected.model)
+                return refused(request, rejected.problems, rejected.model)
         problems = [
             Problem(_field(e.get("loc", ())), e.get("input"), e.get("msg", "invalid"))
             for e in errors
         ]
-        return refused(problems)
+        return refused(request, problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -186,15 +205,21 @@ def _errors(app: FastAPI) -> None:
         }
         headers = dict(exc.headers or {})
         title = titles.get(exc.status_code, "Error")
-        return problem(exc.status_code, title, text(str(exc.detail)), headers=headers)
+        return answer(request, exc.status_code, title, text(str(exc.detail)), headers=headers)
 
     @app.exception_handler(UnknownJob)
     async def unknown(request: Request, exc: UnknownJob) -> JSONResponse:
-        return problem(404, "Not found", str(exc))
+        return answer(request, 404, "Not found", str(exc))
 
     @app.exception_handler(RedisConnectionError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
-        return problem(503, "Redis unreachable", "the gateway cannot reach Redis; try again")
+        return answer(
+            request, 503, "Redis unreachable", "the gateway cannot reach Redis; try again"
+        )
+
+    @app.exception_handler(openai.Refused)
+    async def dialect_refused(request: Request, exc: openai.Refused) -> JSONResponse:
+        return openai.error(exc.status, str(exc), exc.param, exc.code)
 
 
 def _field(loc: Any) -> str:
@@ -214,7 +239,7 @@ def _over_quota(app: FastAPI) -> None:
     async def over(request: Request, exc: OverQuota) -> JSONResponse:
         problems = [Problem(exc.limit, None, str(exc))]
         headers = {"Retry-After": str(exc.retry_after_s)}
-        return problem(429, "Too many requests", str(exc), problems, headers=headers)
+        return answer(request, 429, "Too many requests", str(exc), problems, headers=headers)
 
 
 # -- public: health, the login -------------------------------------------------------------------

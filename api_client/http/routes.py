@@ -212,7 +212,7 @@ def list_queues(client: Client, who: Auth) -> QueueList:
 # -- jobs ----------------------------------------------------------------------------------------
 
 
-def _submit(
+def submit_for(
     request: Request, who: Caller, body: RenderRequest, job_id: str | None
 ) -> tuple[KilnJob, bool]:
     """Submit for the caller; (job, created). An id the caller cannot take (another tenant's,
@@ -276,7 +276,7 @@ def create_job(
     job_id = None
     if idempotency_key is not None:
         job_id = "idem-" + hashlib.sha256(f"{who.id}\n{idempotency_key}".encode()).hexdigest()[:40]
-    job, created = _submit(request, who, body, job_id)
+    job, created = submit_for(request, who, body, job_id)
     return _created(request, response, job, created)
 
 
@@ -295,7 +295,7 @@ def put_job(
 ) -> JobCreated:
     """Create the job under this id; the same request again is the same job (200), a different
     one under the same id is refused (422, field job_id)."""
-    job, created = _submit(request, who, body, job_id)
+    job, created = submit_for(request, who, body, job_id)
     return _created(request, response, job, created)
 
 
