@@ -2,8 +2,8 @@
 LibreChat's and LiteLLM's OpenAI engines send, mapped onto a kiln RenderRequest and run as a kiln
 job (the same tokens, tenancy, quotas, queue, records and events).
 
-A call is held open on the gateway's one EventHub until the job's end event: no thread waits per
-call, and a dropped connection leaves the job running (`kiln job ID` finds it). Errors leave in
+A call is held open until the job's end event (api_client.http.held): no thread waits per call,
+and a dropped connection leaves the job running (`kiln job ID` finds it). Errors leave in
 OpenAI's shape, {"error": {message, type, param, code}}, `param` naming the field.
 
 The mapping, as the README states it: model is a manifest id; n is num_images; size "WxH" (or
@@ -12,7 +12,11 @@ steps, low halves them, high and hd take one and a half times (within the manife
 output_format png | jpeg | webp; background auto | opaque (transparent is refused: kiln renders
 no alpha). Any RenderRequest field may ride in the same body (the SDK's extra_body) and wins over
 the mapping. OpenAI fields kiln has no use for (user, style, moderation, output_compression) are
-read and ignored; anything else is refused naming it."""
+read and ignored; anything else is refused naming it.
+
+Over 400 lines because the dialect reads as one: its routes share the mapping of OpenAI's fields
+onto a RenderRequest, and the shapes of its answers, stream events and errors are the SDK's to
+parse, so they stand together."""
 
 from __future__ import annotations
 
@@ -28,18 +32,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api_client import keys
 from api_client.client import KilnClient
-from api_client.errors import RenderFailed, RequestRejected, UnknownJob
+from api_client.errors import RequestRejected
 from api_client.fetch import FetchFailed, fetch_image
+from api_client.http import held
 from api_client.http.auth import caller
-from api_client.http.hub import EventHub
 from api_client.http.tokens import Caller
 from api_client.manifest import Manifest
 from api_client.schema import JobEvent, RenderRequest, RenderResult
 
 PREFIX = "/openai/v1"
-KEEPALIVE_S = 15.0
 QUALITY_STEPS = {"auto": 1.0, "standard": 1.0, "medium": 1.0, "low": 0.5, "high": 1.5, "hd": 1.5}
 IGNORED = (
     "user",
@@ -135,7 +137,7 @@ async def generate(request: Request, who: Annotated[Caller, Depends(caller)]) ->
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
-    result = await _ended(request, call.job_id)
+    result = await _result(request, call.job_id)
     data = await run_in_threadpool(_images, request, call, result, call.b64)
     return JSONResponse(_response(call, data), headers={"Cache-Control": "no-store"})
 
@@ -154,7 +156,7 @@ async def edit(request: Request, who: Annotated[Caller, Depends(caller)]) -> Any
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
-    result = await _ended(request, call.job_id)
+    result = await _result(request, call.job_id)
     data = await run_in_threadpool(_images, request, call, result, call.b64)
     return JSONResponse(_response(call, data), headers={"Cache-Control": "no-store"})
 
@@ -195,7 +197,7 @@ def _submit(request: Request, who: Caller, body: dict[str, Any]) -> Call:
 def _require_worker(client: KilnClient, manifest: Manifest) -> None:
     """A call for a model no live worker serves is answered now, not held for a worker that may
     never come."""
-    if not any(manifest.id in state.models for state in client.workers()):
+    if not held.served_now(client, manifest.id):
         raise Refused(
             503,
             f"no live worker serves model {manifest.id!r} now: its jobs would wait for one",
@@ -291,36 +293,11 @@ async def _json_object(request: Request) -> dict[str, Any]:
 # -- waiting and answering -----------------------------------------------------------------------
 
 
-async def _ended(request: Request, job_id: str) -> RenderResult:
-    """The job's result, from its event stream: the gateway's one reader, no thread waiting."""
-    async for event in _events(request, job_id):
-        if event is None:
-            continue
-        if event.kind == "done" and event.result is not None:
-            return event.result
-        if event.terminal:
-            raise Refused(500, f"job {job_id} {event.kind}: {event.error or event.kind}")
-    raise Refused(500, f"job {job_id} ended without a result")
-
-
-async def _events(request: Request, job_id: str) -> AsyncIterator[JobEvent | None]:
-    """The job's events to its end, None for each quiet KEEPALIVE_S (a job that ends with no
-    event, quarantined or deleted, ends the iteration)."""
-    hub: EventHub = request.app.state.hub
-    client: KilnClient = request.app.state.client
-    async for event in hub.watch(keys.events_key(job_id), "0", KEEPALIVE_S):
-        if event is None and await run_in_threadpool(_ended_silently, client, job_id):
-            return
-        yield event
-        if event is not None and event.terminal:
-            return
-
-
-def _ended_silently(client: KilnClient, job_id: str) -> bool:
+async def _result(request: Request, job_id: str) -> RenderResult:
     try:
-        return client.job(job_id).status() in ("finished", "failed", "stopped", "canceled")
-    except (UnknownJob, RenderFailed):
-        return True
+        return await held.result(request, job_id)
+    except held.EndedWithout as exc:
+        raise Refused(500, str(exc)) from None
 
 
 def _images(request: Request, call: Call, result: RenderResult, b64: bool) -> list[dict[str, Any]]:
@@ -368,7 +345,7 @@ async def _stream(request: Request, call: Call, kind: str) -> AsyncIterator[str]
     KEEPALIVE_S; a failure as an {"error": ...} event, which the SDK raises."""
     shown = 0
     result: RenderResult | None = None
-    async for event in _events(request, call.job_id):
+    async for event in held.events(request, call.job_id):
         if event is None:
             yield ": keepalive\n\n"
         elif (
