@@ -390,3 +390,44 @@ def test_token_create_takes_limits_and_an_expiry(kiln_env: dict[str, str]) -> No
     for flag, value, word in (("--max-queued", "0", "1-100000"), ("--expires", "-1", "days")):
         refused = kiln("api", "token", "create", "bad", flag, value, env=kiln_env)
         assert refused.returncode == 1 and word in refused.stderr and not refused.stdout
+
+
+def test_a_job_for_a_model_no_worker_serves_says_so_at_once(
+    gateway: Any, redis_conn: Redis
+) -> None:
+    tenant = Tokens(redis_conn).create("tenant")
+    status, created = submit(gateway, tenant, REQUEST)
+    assert status == 201 and created["served"] is False, created
+    assert created["warnings"] == [
+        "no live worker serves tiny-sd15 now: the job waits in its queue until one starts"
+        " (kiln worker --models tiny-sd15)"
+    ]
+    live = WorkerState(
+        name="gpu-0",
+        models=["tiny-sd15"],
+        resident=[],
+        device="cpu",
+        device_name="cpu",
+        state="idle",
+        heartbeat=time.time(),
+        pid=1,
+        host="box",
+    )
+    redis_conn.set(keys.worker_key("gpu-0"), live.model_dump_json(), ex=60)
+    redis_conn.zadd(keys.WORKERS_KEY, {"gpu-0": time.time()})
+    status, created = submit(gateway, tenant, {**REQUEST, "seed": 8})
+    assert status == 201 and created["served"] is True and created["warnings"] == []
+
+
+def test_admin_lists_every_job_whatever_submitted_it(
+    gateway: Any, redis_conn: Redis, settings: Any
+) -> None:
+    tenant = Tokens(redis_conn).create("tenant")
+    made = client_for(redis_conn, settings).submit(REQUEST)  # the Python client, no gateway
+    status, created = submit(gateway, tenant, {**REQUEST, "seed": 9})
+    assert status == 201
+    admin = json.loads(call("GET", gateway.url + "/v1/jobs", gateway.token)[2])["jobs"]
+    assert [job["id"] for job in admin] == [created["id"], made.id]
+    assert admin[1]["request"]["prompt"] == REQUEST["prompt"]
+    mine = json.loads(call("GET", gateway.url + "/v1/jobs", tenant)[2])["jobs"]
+    assert [job["id"] for job in mine] == [created["id"]]

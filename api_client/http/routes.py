@@ -28,7 +28,7 @@ from api_client import events, inputs, keys
 from api_client.client import JOB_ID, KilnClient
 from api_client.errors import Problem, RenderFailed, RequestRejected, UnknownJob
 from api_client.fetch import FetchFailed, fetch_image
-from api_client.http import tenancy
+from api_client.http import held, tenancy
 from api_client.http.auth import caller
 from api_client.http.hub import EventHub
 from api_client.http.quotas import Quotas
@@ -246,11 +246,24 @@ def request_exists(client: KilnClient, job_id: str) -> bool:
     return bool(client.connection.exists(keys.rq_job_key(job_id)))
 
 
-def _created(request: Request, response: Response, job: KilnJob, created: bool) -> JobCreated:
+def _created(
+    request: Request, response: Response, job: KilnJob, created: bool, model: str
+) -> JobCreated:
     response.status_code = 201 if created else 200
     response.headers["Location"] = links(request, job.id).self
     status = "queued" if created else job.status()  # a job just enqueued is queued: no read
-    return JobCreated(id=job.id, status=status, urls=links(request, job.id))
+    served = held.served_now(client_of(request), model)
+    warnings = [] if served else [unserved(model)]
+    return JobCreated(
+        id=job.id, status=status, served=served, warnings=warnings, urls=links(request, job.id)
+    )
+
+
+def unserved(model: str) -> str:
+    return (
+        f"no live worker serves {model} now: the job waits in its queue until one starts"
+        f" (kiln worker --models {model})"
+    )
 
 
 @router.post(
@@ -277,7 +290,7 @@ def create_job(
     if idempotency_key is not None:
         job_id = "idem-" + hashlib.sha256(f"{who.id}\n{idempotency_key}".encode()).hexdigest()[:40]
     job, created = submit_for(request, who, body, job_id)
-    return _created(request, response, job, created)
+    return _created(request, response, job, created, body.model)
 
 
 @router.put(
@@ -296,7 +309,7 @@ def put_job(
     """Create the job under this id; the same request again is the same job (200), a different
     one under the same id is refused (422, field job_id)."""
     job, created = submit_for(request, who, body, job_id)
-    return _created(request, response, job, created)
+    return _created(request, response, job, created, body.model)
 
 
 @router.get("/jobs", response_model=JobList, responses={**REFUSED, **INVALID})
@@ -305,11 +318,24 @@ def list_jobs(
     who: Auth,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 20,
 ) -> JobList:
-    """The caller's recent jobs made through a gateway, newest first (an admin's: everyone's)."""
-    ids = tokens_of(request).recent_jobs(who, limit)
+    """The caller's recent jobs, newest first. A tenant's: those it made through a gateway; an
+    admin's: everyone's, those submitted by `kiln submit` or the Python client included (what
+    the model queues' event streams still hold)."""
     client = client_of(request)
+    ids = tokens_of(request).recent_jobs(who, limit)
+    if who.admin:
+        ids = everyones(client, ids, limit)
     views = [view_job(request, who, client.job(job_id), eta=False) for job_id in ids]
     return JobList(jobs=[view for view in views if view is not None])
+
+
+def everyones(client: KilnClient, gateway_ids: list[str], limit: int) -> list[str]:
+    """Every recent job id, newest first: the queues' event streams (any submitter) with the
+    gateway's own list (a job older than its stream's retention)."""
+    stamped = {event.job_id: event.at for event in client.recent_jobs(limit=limit)}
+    for rank, job_id in enumerate(gateway_ids):
+        stamped.setdefault(job_id, -rank)  # older than anything the streams hold, in order
+    return sorted(stamped, key=lambda job_id: stamped[job_id], reverse=True)[:limit]
 
 
 @router.get("/jobs/{job_id}", response_model=JobView, responses=JOB_REFUSED)
@@ -341,9 +367,15 @@ def cancel_job(job_id: str, request: Request, who: Auth) -> Canceled:
     """Queued: removed from its queue. Running: stopped at the next denoise step."""
     job = owned_job(request, who, job_id)
     try:
-        return Canceled(status=job.cancel())
+        seen = job.cancel()
     except UnknownJob:
         raise HTTPException(404, f"no job {job_id[:200]!r} (never submitted, or expired)") from None
+    return Canceled(status=CANCEL_DID.get(seen, seen))
+
+
+# What a cancel did, by the status it found: a waiting job never runs, a running one stops.
+CANCEL_DID = {"queued": "canceled", "scheduled": "canceled", "deferred": "canceled"}
+CANCEL_DID |= {"started": "stopping"}
 
 
 @router.get(

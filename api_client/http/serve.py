@@ -38,7 +38,12 @@ def serve(settings: ApiSettings) -> int:
             flush=True,
         )
     else:
-        print(f"kiln api: serving on {address} (log in with a token)", file=sys.stderr, flush=True)
+        print(
+            f"kiln api: serving on {address} (log in with a token; one is shown only when it is"
+            " made: `kiln api token create NAME --scope admin` makes another admin token)",
+            file=sys.stderr,
+            flush=True,
+        )
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -39,8 +39,13 @@ class JobLinks(BaseModel):
 
 
 class JobCreated(BaseModel):
+    """A job made (or found again): served is whether a live worker serves its model now; when
+    none does, warnings says so (the job waits in its queue until one starts)."""
+
     id: str
     status: str
+    served: bool = True
+    warnings: list[str] = Field(default_factory=list)
     urls: JobLinks
 
 
@@ -58,7 +63,9 @@ class JobList(BaseModel):
 
 
 class Canceled(BaseModel):
-    """The job's status when the cancel was made."""
+    """What the cancel did: canceled (it was waiting, and will never run) or stopping (it was
+    running, and stops at its next denoise step); a job that had already ended answers its end
+    (finished, failed, stopped, canceled)."""
 
     status: str
 
