@@ -271,6 +271,12 @@ def _public(app: FastAPI) -> None:
         session, the token dropped from the address bar), except from a cross-site
         navigation: another site's link must not log a browser into someone else's account
         (login CSRF), so it gets the form and nothing is set."""
+        try:
+            return _page(request, token)
+        except RedisConnectionError:  # the login form, not raw JSON, says what is wrong
+            return _login(request, "kiln cannot reach its Redis now: try again in a moment.", 503)
+
+    def _page(request: Request, token: str | None) -> Response:
         sessions: Sessions = request.app.state.sessions
         if token is not None:
             if request.headers.get("sec-fetch-site", "none") not in ("none", "same-origin"):
@@ -290,7 +296,10 @@ def _public(app: FastAPI) -> None:
 
     @app.post("/login", include_in_schema=False)
     def login(request: Request, token: str = Form(max_length=200)) -> Response:
-        found = request.app.state.tokens.caller(token)
+        try:
+            found = request.app.state.tokens.caller(token)
+        except RedisConnectionError:
+            return _login(request, "kiln cannot reach its Redis now: try again in a moment.", 503)
         if found is None:
             return _login(request, "That token is unknown, revoked or expired.", status=401)
         return _session(request, found)

@@ -64,8 +64,16 @@ async function api(path, { method = "GET", json, body, type } = {}) {
     }
   }
   if (response.status === 401) signedOut();
+  banner(response.status === 503 ? (data && data.detail) || "The gateway cannot reach Redis." : "");
   if (!response.ok) throw new HttpError(response.status, data);
   return data;
+}
+
+// One line across the top while the gateway cannot reach Redis (it answers 503), gone once it can.
+function banner(text) {
+  const box = document.getElementById("banner");
+  box.hidden = !text;
+  box.textContent = text ? `${text} Jobs already queued are kept; this page retries on its own.` : "";
 }
 
 function signedOut() {
@@ -129,10 +137,20 @@ async function loadModels() {
       "No manifests are published: start a worker, or run `kiln manifests publish`.";
     return;
   }
+  // Served models first: a first prompt to a model no worker serves would wait for one forever.
+  const served = models.filter((view) => view.workers.length);
+  const waiting = models.filter((view) => !view.workers.length);
+  const option = (view) => el("option", { value: view.manifest.id, text: view.manifest.id });
+  const group = (label, views) => el("optgroup", { label }, ...views.map(option));
   select.replaceChildren(
-    ...models.map((view) => el("option", { value: view.manifest.id, text: view.manifest.id })),
+    ...[
+      served.length ? group("served now", served) : null,
+      waiting.length ? group("no worker serves it now", waiting) : null,
+    ].filter(Boolean),
   );
-  select.value = state.models.has(wanted) ? wanted : models[0].manifest.id;
+  const usable = (id) =>
+    state.models.has(id) && (!served.length || served.some((v) => v.manifest.id === id));
+  select.value = usable(wanted) ? wanted : (served[0] || models[0]).manifest.id;
   applyManifest();
 }
 
@@ -306,7 +324,117 @@ async function upload(field, blob, name) {
 async function inputUri(field) {
   const file = form.elements[field].files[0];
   if (file) return upload(field, file, file.name);
+  if (field === "mask" && painter.painted) return upload("mask", await paintedMask(), "painted mask");
   return state.inputs[field] ? state.inputs[field].uri : undefined;
+}
+
+// ---- the mask painter: white where the brush went (repainted), black elsewhere (kept) ----
+
+const painter = { tool: "brush", painted: false, last: null, url: null };
+
+function maskCanvas() {
+  return document.getElementById("mask-canvas");
+}
+
+function imageSource() {
+  const file = form.elements.image.files[0];
+  if (file) return URL.createObjectURL(file);
+  const input = state.inputs.image;
+  return input && input.thumb ? input.thumb : null;
+}
+
+async function openPainter() {
+  const source = imageSource();
+  const error = document.getElementById("mask-error");
+  if (!source) {
+    error.textContent = "Choose the input image first: the mask is painted on it, at its size.";
+    return;
+  }
+  error.replaceChildren();
+  const image = document.getElementById("mask-image");
+  image.src = source;
+  await image.decode();
+  const canvas = maskCanvas();
+  canvas.width = image.naturalWidth;
+  canvas.height = image.naturalHeight;
+  clearMask();
+  form.elements.mask.value = "";
+  setInput("mask", null);
+  document.getElementById("mask-painter").hidden = false;
+}
+
+function closePainter() {
+  document.getElementById("mask-painter").hidden = true;
+  painter.painted = false;
+}
+
+function clearMask() {
+  const canvas = maskCanvas();
+  canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  painter.painted = false;
+}
+
+function stroke(event) {
+  const canvas = maskCanvas();
+  const box = canvas.getBoundingClientRect();
+  const scale = canvas.width / box.width; // the canvas is the image's size, shown scaled
+  const point = {
+    x: (event.clientX - box.left) * scale,
+    y: ((event.clientY - box.top) * canvas.height) / box.height,
+  };
+  const ctx = canvas.getContext("2d");
+  ctx.globalCompositeOperation = painter.tool === "eraser" ? "destination-out" : "source-over";
+  ctx.strokeStyle = ctx.fillStyle = "#ffffff";
+  ctx.lineWidth = Number(document.getElementById("mask-size").value) * scale;
+  ctx.lineCap = ctx.lineJoin = "round";
+  ctx.beginPath();
+  const from = painter.last || point;
+  ctx.moveTo(from.x, from.y);
+  ctx.lineTo(point.x, point.y);
+  ctx.stroke();
+  painter.last = point;
+  if (painter.tool === "brush") painter.painted = true;
+}
+
+function paintedMask() {
+  // The strokes are opaque white on a transparent canvas: laid on black, they are kiln's mask.
+  const canvas = maskCanvas();
+  const out = document.createElement("canvas");
+  out.width = canvas.width;
+  out.height = canvas.height;
+  const ctx = out.getContext("2d");
+  ctx.fillStyle = "#000000";
+  ctx.fillRect(0, 0, out.width, out.height);
+  ctx.drawImage(canvas, 0, 0);
+  return new Promise((resolve) => out.toBlob(resolve, "image/png"));
+}
+
+function startPainter() {
+  document.getElementById("mask-paint").addEventListener("click", () => openPainter().catch(failure));
+  document.getElementById("mask-clear").addEventListener("click", clearMask);
+  for (const button of document.querySelectorAll("[data-tool]")) {
+    button.addEventListener("click", () => {
+      painter.tool = button.dataset.tool;
+      for (const other of document.querySelectorAll("[data-tool]")) {
+        other.setAttribute("aria-pressed", String(other === button));
+      }
+    });
+  }
+  const canvas = maskCanvas();
+  canvas.addEventListener("pointerdown", (event) => {
+    canvas.setPointerCapture(event.pointerId);
+    painter.last = null;
+    stroke(event);
+  });
+  canvas.addEventListener("pointermove", (event) => {
+    if (event.buttons) stroke(event);
+  });
+  canvas.addEventListener("pointerup", () => {
+    painter.last = null;
+  });
+  // A new input image or an uploaded mask file replaces a painted mask (it was the old size).
+  form.elements.image.addEventListener("change", closePainter);
+  form.elements.mask.addEventListener("change", closePainter);
 }
 
 async function buildRequest() {
@@ -383,6 +511,7 @@ async function submitRequest(request) {
   const job = upsertJob({ id, status: created.status, model: request.model, urls });
   jobsBox.prepend(job.card);
   document.getElementById("jobs-empty").hidden = true;
+  job.card.scrollIntoView({ block: "nearest" });
   watch(created.id);
   return created.id;
 }
@@ -536,8 +665,9 @@ function renderJob(job) {
   const when = view.result ? view.result.finished_at : job.at;
   card.querySelector(".job-when").textContent = when ? clock(when) : "";
   const prompt = card.querySelector(".job-prompt");
-  prompt.textContent = job.request ? job.request.prompt : "prompt not known to this page";
-  prompt.classList.toggle("muted", !job.request);
+  const sent = job.request || view.request; // the API returns the request, whoever submitted it
+  prompt.textContent = sent ? sent.prompt || `(${sent.mode || "no prompt"})` : "prompt not known";
+  prompt.classList.toggle("muted", !sent);
 
   card.querySelector(".job-live").hidden = !running;
   if (running) {
@@ -953,6 +1083,7 @@ function start() {
     }
   });
   document.getElementById("jobs-refresh").addEventListener("click", () => act(refreshJobs));
+  startPainter();
 
   loadModels().catch(failure);
   refreshJobs().catch(failure);
