@@ -1,4 +1,4 @@
-"""`kiln submit --wait` (worker/ops/display.py follow_job) follows the job's event stream as the
+"""`kiln submit --wait` (worker/cli/plain.py follow_job) follows the job's event stream as the
 worker writes it: progress from the events, the result from the done event, a failure's message from
 the job's record; it never polls job.progress()."""
 
@@ -16,7 +16,7 @@ from api_client.errors import JobTimeout
 from api_client.events import BLOCK_SLICE_S
 from tests.fixtures.gate import hold_here
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
-from worker.ops.display import follow_job
+from worker.cli.plain import follow_job
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 8, "seed": 2}
 

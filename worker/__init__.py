@@ -1,7 +1,7 @@
 """kiln's render worker, in packages by stage; data flows down this list and imports run one way.
 
-- the root: entry points (cli, commands: the client verbs, serve: the composition root that
-  builds a worker) and the ground every stage stands on (settings: the only reader of KILN_*
+- the root: entry points (cli/: the command line, one module per audience; serve: the
+  composition root that builds a worker) and the ground every stage stands on (settings: the only reader of KILN_*
   variables, errors, logs, quiet, manifest, profiles, startup: a worker start's phases);
 - ops/: operators' verbs, never on a job's path (doctor, plan, bench, profile, report, top);
 - queue/: the worker process on RQ (claim, lease, sweep, events, quarantine, webhooks, metrics);
@@ -17,4 +17,4 @@ touch torch import it themselves.
 """
 
 STAGES = ("ops", "queue", "render", "files", "pipelines", "memory")
-ENTRY_POINTS = ("cli", "commands", "serve")
+ENTRY_POINTS = ("cli", "serve")

@@ -1,6 +1,8 @@
-"""The client verbs of `kiln` (submit, replay, models, top, quarantine, webhooks, api): each talks
-to Redis as a client does and prints what it hears. worker/cli.py's parser names these handlers,
-so this module imports only the standard library up front; each verb imports what it needs."""
+"""The client's verbs: submit, replay, models, job, jobs, fetch, cancel. Each talks to Redis as a
+backend's KilnClient does and prints what it hears, so all but replay (which reads an image's
+details with Pillow, the worker extra's) run on the base install: api_client, the standard library
+and plain.py, never the worker's settings, rich or torch. Their flags are in flags.py; imports
+stay inside each verb."""
 
 from __future__ import annotations
 
@@ -11,39 +13,109 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.cli import extras, flags
+
 if TYPE_CHECKING:
-    from api_client import KilnJob
+    from api_client import KilnClient, KilnJob
+
+# Exit codes of the verbs that wait or act on a job (README: the command line).
+EXIT_FAILED = 1  # the job failed, stopped or was canceled; or a job verb found no such job
+EXIT_REFUSED = 2  # the request broke its manifest: nothing was enqueued
+EXIT_TIMEOUT = 3  # --timeout passed; the job goes on
+EXIT_NOT_SERVED = 4  # no live worker serves the model; the job stays queued
+NOT_SERVED_GRACE_S = 3.0  # how long --wait looks for a serving worker before it says so
 
 
-def _client() -> Any:
+def register(verbs: Any) -> None:
+    submitting = verbs.add_parser("submit", help="enqueue one render job")
+    flags.request_flags(submitting)
+    flags.follow_flags(submitting)
+    submitting.set_defaults(handler=submit)
+
+    replaying = verbs.add_parser(
+        "replay",
+        help="render an image again from the generation details it carries (through the queue,"
+        " pinned to its rung and compile state)",
+    )
+    replaying.add_argument(
+        "image", help="a PNG, WebP or JPEG that kiln wrote (a path or file:// uri)"
+    )
+    flags.follow_flags(replaying)
+    replaying.set_defaults(handler=replay)
+    extras.needs(replaying, "worker")  # Pillow reads the image's details
+
+    listing = verbs.add_parser(
+        "models", help="published models, the workers serving them, and ETAs"
+    )
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=models)
+    _job_verbs(verbs)
+
+
+def _job_verbs(verbs: Any) -> None:
+    """The verbs that act on one job by id, and `jobs`."""
+    shown = verbs.add_parser(
+        "job", help="one job by id: status, queue position, ETA, progress, result or error"
+    )
+    shown.add_argument("id")
+    shown.add_argument("--json", action="store_true")
+    shown.set_defaults(handler=job)
+    canceling = verbs.add_parser(
+        "cancel", help="cancel a job by id (queued: removed; running: stopped at its next step)"
+    )
+    canceling.add_argument("id")
+    canceling.set_defaults(handler=cancel)
+    fetching = verbs.add_parser("fetch", help="a finished job's images into DIR, sha256 checked")
+    fetching.add_argument("id")
+    fetching.add_argument("dir", nargs="?", default=".", type=Path, help="default: here")
+    fetching.set_defaults(handler=fetch)
+    recent = verbs.add_parser("jobs", help="recent jobs, newest first (from the queues' events)")
+    recent.add_argument("--model", help="one model's jobs only")
+    recent.add_argument("--limit", type=int, default=20)
+    recent.add_argument("--json", action="store_true")
+    recent.set_defaults(handler=jobs)
+
+
+def _client() -> KilnClient:
     from api_client import KilnClient
 
     return KilnClient.from_env()
 
 
-def request_flag(module: str, parser: str) -> Any:
-    """An argparse type for a request flag (`--lora NAME[:WEIGHT]`, `--control
-    NAME:PATH[:STRENGTH]`, `--reference PATH[:STRENGTH]`): api_client's parser of it, checked as
-    the request will be, imported when the flag is read."""
+def redis_url() -> str:
+    """KILN_REDIS_URL as KilnClient.from_env reads it, for what the base install must reach
+    without the worker's settings: an unreachable Redis's message, the gateway's tokens."""
+    import os
 
-    def parsed(text: str) -> dict[str, Any]:
-        import importlib
+    from api_client.client import DEFAULT_REDIS_URL
 
-        try:
-            choice = getattr(importlib.import_module(module), parser)(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        result: dict[str, Any] = choice.model_dump(exclude_none=True)
-        return result
-
-    return parsed
+    return os.environ.get("KILN_REDIS_URL", DEFAULT_REDIS_URL)
 
 
 def submit(args: argparse.Namespace) -> int:
     from api_client import RequestRejected
+
+    request = _request(args)
+    client = _client()
+    try:
+        for field in ("image", "mask"):
+            if field in request and not _is_uri(request[field]):
+                request[field] = client.upload(request[field])  # a local file: upload it first
+        for given in [*request.get("controls", []), request.get("reference") or {}]:
+            if given and not _is_uri(given["image"]):
+                given["image"] = client.upload(given["image"])
+        job = client.submit(request, job_id=args.job_id, at_front=args.front)
+    except RequestRejected as exc:
+        print(f"kiln submit: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    return _follow(job, args.model, args)
+
+
+def _request(args: argparse.Namespace) -> dict[str, Any]:
+    """The request the flags name: every request field has a flag of the same name; an unset flag
+    takes the manifest's default."""
     from api_client.schema import RenderRequest
 
-    # Every request field has a flag of the same name; unset flags take the manifest's defaults.
     request: dict[str, Any] = {
         field: getattr(args, field)
         for field in RenderRequest.model_fields
@@ -53,22 +125,10 @@ def submit(args: argparse.Namespace) -> int:
         hires = {"scale": args.hires, "upscaler": args.hires_upscaler}
         hires.update(strength=args.hires_strength, steps=args.hires_steps)
         request["hires"] = {k: v for k, v in hires.items() if v is not None}
-    client = _client()
-    try:
-        for field in ("image", "mask"):
-            if field in request and not _is_uri(request[field]):
-                request[field] = client.upload(request[field])  # a local file: upload it first
-        for given in [*request.get("controls", []), request.get("reference") or {}]:
-            if given and not _is_uri(given["image"]):
-                given["image"] = client.upload(given["image"])
-        for control in request.get("controls", []):
-            if args.control_preprocess is not None:
-                control["preprocess"] = args.control_preprocess
-        job = client.submit(request, job_id=args.job_id, at_front=args.front)
-    except RequestRejected as exc:
-        print(f"kiln submit: {exc}", file=sys.stderr)
-        return 2
-    return _follow(job, args.model, args)
+    for control in request.get("controls", []):
+        if args.control_preprocess is not None:
+            control["preprocess"] = args.control_preprocess
+    return request
 
 
 def _is_uri(value: str) -> bool:
@@ -85,12 +145,12 @@ def replay(args: argparse.Namespace) -> int:
         request = read_details(path).replay_request()
     except CannotReplay as exc:
         print(f"kiln replay: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     try:
         job = _client().submit(request)
     except RequestRejected as exc:
         print(f"kiln replay: {args.image}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     return _follow(job, request.model, args)
 
 
@@ -110,17 +170,10 @@ def _local_image(argument: str) -> Path:
     return Path(argument)
 
 
-# Exit codes of the verbs that wait or act on a job (README: the command line).
-EXIT_FAILED = 1  # the job failed, stopped or was canceled; or a job verb found no such job
-EXIT_REFUSED = 2  # the request broke its manifest: nothing was enqueued
-EXIT_TIMEOUT = 3  # --timeout passed; the job goes on
-EXIT_NOT_SERVED = 4  # no live worker serves the model; the job stays queued
-NOT_SERVED_GRACE_S = 3.0  # how long --wait looks for a serving worker before it says so
-
-
 def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
     """After a submit: the job id, or with --wait its progress and result (--json: as JSON)."""
     from api_client import JobTimeout, RenderFailed
+    from worker.cli import plain
 
     if not args.wait:
         from api_client.keys import queue_name
@@ -128,15 +181,13 @@ def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
         queue = queue_name(model, getattr(args, "priority", None) or "interactive")
         print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on {queue}")
         return 0
-    if not getattr(args, "queue_anyway", False):
+    if not args.queue_anyway:
         unserved = not_served(_client(), model)
         if unserved:
             print(f"kiln {args.verb}: job {job.id} stays queued: {unserved}", file=sys.stderr)
             return EXIT_NOT_SERVED
-    from worker.ops.display import wait_with_progress
-
     try:
-        result = wait_with_progress(job, timeout=args.timeout, quiet=args.json)
+        result = plain.wait_with_progress(job, timeout=args.timeout, quiet=args.json)
     except RenderFailed as exc:
         print(
             json.dumps({"job_id": job.id, "status": exc.status, "error": exc.message})
@@ -154,13 +205,11 @@ def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
     if args.json:
         print(result.model_dump_json())
     else:
-        from worker.ops.display import print_result
-
-        print_result(result)
+        plain.print_result(result)
     return 0
 
 
-def not_served(client: Any, model: str, grace_s: float = NOT_SERVED_GRACE_S) -> str | None:
+def not_served(client: KilnClient, model: str, grace_s: float = NOT_SERVED_GRACE_S) -> str | None:
     """Why no job of model will start now: no live worker serves it (looked for over grace_s, so
     a worker that is starting is found), naming the workers that serve other models; None when
     one serves it."""
@@ -184,6 +233,7 @@ def not_served(client: Any, model: str, grace_s: float = NOT_SERVED_GRACE_S) -> 
 def job(args: argparse.Namespace) -> int:
     """`kiln job ID`: status, position, ETA, progress, the result or the error."""
     from api_client import UnknownJob
+    from worker.cli import plain
 
     try:
         snapshot = _client().job(args.id).snapshot()
@@ -193,23 +243,7 @@ def job(args: argparse.Namespace) -> int:
     if args.json:
         print(snapshot.model_dump_json())
         return 0
-    parts = [f"{snapshot.id}: {snapshot.status}"]
-    if snapshot.model:
-        parts.append(f"model {snapshot.model}")
-    if snapshot.position is not None:
-        parts.append(f"{snapshot.position} ahead in its queue")
-    if snapshot.progress is not None:
-        p = snapshot.progress
-        parts.append(f"{p.phase} {p.step}/{p.steps}")
-    if snapshot.eta_s is not None:
-        parts.append(f"ETA {snapshot.eta_s:.1f} s")
-    if snapshot.error:
-        parts.append(f"error: {snapshot.error}")
-    print(", ".join(parts))
-    if snapshot.result is not None:
-        from worker.ops.display import print_result
-
-        print_result(snapshot.result)
+    plain.print_snapshot(snapshot)
     return 0
 
 
@@ -279,119 +313,11 @@ def jobs(args: argparse.Namespace) -> int:
 
 
 def models(args: argparse.Namespace) -> int:
-    client = _client()
-    infos = client.models()
+    from worker.cli import plain
+
+    infos = _client().models()
     if args.json:
-        print(json.dumps([_model_json(info) for info in infos], indent=2))
-        return 0
-    from worker.ops.display import print_models
-
-    print_models(infos)
-    return 0
-
-
-def _model_json(info: Any) -> dict[str, Any]:
-    return {
-        "id": info.manifest.id,
-        "family": info.manifest.family,
-        "served": bool(info.workers),
-        "modes": list(info.manifest.modes),
-        "loras": sorted(info.manifest.loras),
-        "default_steps": info.manifest.steps.default,
-        # An upscaler has none: each job is its image's size.
-        "default_size": list(info.manifest.default_size) if info.manifest.resolutions else None,
-        "workers": info.workers,
-        "resident_on": info.resident_on,
-        "eta_s": info.default_eta_s,
-        "queued": info.queued,
-        "blocked": info.blocked,
-        "eta_now_s": {lane: info.eta_now_s(lane) for lane in info.queued},
-        "fits": {f"{w}x{h}": fit.model_dump() for (w, h), fit in info.fits.items()},
-    }
-
-
-def top(args: argparse.Namespace) -> int:
-    from api_client.connection import connect
-    from worker.ops.top import run_top
-    from worker.settings import Settings
-
-    return run_top(connect(Settings().redis_url), args.once, args.interval, args.last)
-
-
-def quarantine(args: argparse.Namespace) -> int:
-    from redis import Redis
-
-    from worker.queue.quarantine import command
-    from worker.settings import Settings
-
-    return command(Redis.from_url(Settings().redis_url), args.clear, args.json)
-
-
-def webhooks(args: argparse.Namespace) -> int:
-    from api_client.connection import connect
-    from worker.queue.webhooks import command
-    from worker.settings import Settings
-
-    return command(connect(Settings().redis_url), args.resend)
-
-
-def api(args: argparse.Namespace) -> int:
-    """`kiln api`: the gateway. Its web framework loads here, not before."""
-    from api_client.http.settings import ApiSettings, ApiSettingsInvalid
-
-    try:
-        settings = ApiSettings.from_env(host=args.host, port=args.port)
-    except ApiSettingsInvalid as exc:
-        print(f"kiln api: {exc}", file=sys.stderr)
-        return 2
-    try:
-        from api_client.http.serve import serve
-    except ImportError as exc:
-        print(
-            f"kiln api: the gateway needs the api extra ({exc.name} is missing):"
-            " pip install 'kiln[api]'",
-            file=sys.stderr,
-        )
-        return 1
-    return serve(settings)
-
-
-def _tokens() -> Any:
-    import os
-
-    from api_client.connection import connect
-    from api_client.http.tokens import Tokens
-
-    return Tokens(connect(os.environ.get("KILN_REDIS_URL", "redis://localhost:6379/0")))
-
-
-def token_create(args: argparse.Namespace) -> int:
-    from api_client.http.tokens import TokenInvalid
-
-    try:
-        token = _tokens().create(
-            args.name,
-            args.scope,
-            max_queued=args.max_queued,
-            upload_mb=args.upload_mb,
-            expires_days=args.expires,
-        )
-    except TokenInvalid as exc:
-        print(f"kiln api token create: {exc}", file=sys.stderr)
-        return 1
-    print(token)
-    return 0
-
-
-def token_list(args: argparse.Namespace) -> int:
-    for info in _tokens().listed():
-        print(info.line())
-    return 0
-
-
-def token_revoke(args: argparse.Namespace) -> int:
-    if not _tokens().revoke(args.name):
-        print(f"kiln api token revoke: no token named {args.name!r}", file=sys.stderr)
-        return 1
-    print(f"revoked {args.name}", file=sys.stderr)
+        print(json.dumps([plain.model_json(info) for info in infos], indent=2))
+    else:
+        plain.print_models(infos)
     return 0
