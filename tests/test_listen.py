@@ -75,3 +75,37 @@ def test_a_delivery_with_another_secret_is_refused_and_says_why(
 def test_a_secret_that_is_not_one_is_refused_before_listening(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="whsec_"):
         listen(0, "not-a-secret", tmp_path)
+
+
+def test_kiln_webhooks_listen_receives_on_the_base_install(tmp_path: Path) -> None:
+    """The verb itself, as a process: it prints where it listens and a line per delivery."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "worker.cli", "webhooks", "listen", "--port", str(port)]
+    command += ["--secret", SECRET, "--dir", str(tmp_path / "got")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+                time.sleep(0.05)
+
+        class Bound:
+            server_address = ("127.0.0.1", port)
+
+        assert deliver(Bound(), "/hook", SECRET, "msg_cli") == 204  # type: ignore[arg-type]
+        assert (tmp_path / "got" / "msg_cli.headers").is_file()
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=10)
+    assert "msg_cli: verified" in out and f"http://127.0.0.1:{port}/" in err

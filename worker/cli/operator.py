@@ -110,6 +110,24 @@ def _fleet_verbs(verbs: Any) -> None:
     )
     webhooks.set_defaults(handler=webhooks_verb)
     extras.needs(webhooks, "worker")
+    actions = webhooks.add_subparsers(title="webhooks commands", metavar="ACTION", required=False)
+    listen = actions.add_parser(
+        "listen",
+        help="a local receiver on any path: checks each delivery's signature, prints a line,"
+        " saves body and headers (the base install runs it)",
+    )
+    listen.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any)")
+    listen.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    listen.add_argument(
+        "--secret", help="the target's whsec_... secret (without it: saved unchecked)"
+    )
+    listen.add_argument(
+        "--dir",
+        default="webhooks",
+        type=Path,
+        help="where deliveries are saved (default ./webhooks)",
+    )
+    listen.set_defaults(handler=listen_verb, extra=None)
 
 
 def _redis() -> Redis:
@@ -176,3 +194,26 @@ def webhooks_verb(args: argparse.Namespace) -> int:
     from worker.queue.upkeep.webhooks import command
 
     return command(_redis(), args.resend)
+
+
+def listen_verb(args: argparse.Namespace) -> int:
+    from api_client.listen import listen
+
+    try:
+        receiver = listen(args.port, args.secret, args.dir, host=args.host)
+    except (ValueError, OSError) as exc:
+        print(f"kiln webhooks listen: {exc}", file=sys.stderr)
+        return 2
+    port = receiver.server_address[1]
+    print(
+        f"kiln webhooks listen: on http://{args.host}:{port}/ (any path), saving into {args.dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        receiver.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        receiver.server_close()
+    return 0
