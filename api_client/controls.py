@@ -1,6 +1,7 @@
 """ControlNets as a manifest allows them and a request names them: the manifest's `controlnets`
-entries, the families and modes kiln runs them on, and the check that resolves a request's
-`controls` against them (no torch here; the worker's side is worker.pipelines.control)."""
+entries, and the check that resolves a request's `controls` against them and the family's
+control rule (api_client.families: the families and modes kiln runs them on; no torch here; the
+worker's side is worker.pipelines.control)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.errors import Problem, named_entries, short
+from api_client.families import CONTROL_MODES, FAMILIES, ControlRule
 from api_client.schema import MAX_CONTROLS, ControlChoice
 
 CONTROL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -33,48 +35,6 @@ ControlKind = Literal[
 # (a depth or pose estimator) and are the client's to run.
 PREPROCESSORS: tuple[str, ...] = ("none", "canny")
 MAX_STRENGTH = 2.0  # A1111's and ComfyUI's slider ends; past it a control burns the image
-
-# Families and modes kiln runs a ControlNet on, with diffusers 0.42's pipelines for each
-# (worker.pipelines.families: FamilySpec.control). A mode is listed where diffusers has its
-# control pipeline and a control at strength 0 renders what no control renders.
-CONTROL_MODES: dict[str, tuple[str, ...]] = {
-    "sd15": ("txt2img", "img2img", "inpaint"),
-    "sd2": ("txt2img", "img2img", "inpaint"),  # SD 2.x ControlNets run in the same pipelines
-    # Union ControlNets (StableDiffusionXLControlNetUnion*Pipeline) in all three modes.
-    "sdxl": ("txt2img", "img2img", "inpaint"),
-    # FluxControlNetImg2Img/Inpaint draw the control image's VAE sample from the job's generator
-    # before the input's noise, so a control, even at strength 0, would change the noise: until
-    # kiln draws that noise itself for them, FLUX.1 takes a control in txt2img only.
-    "flux": ("txt2img",),
-    # diffusers has no SD3 ControlNet img2img; StableDiffusion3ControlNetInpaintingPipeline is an
-    # inpainting ControlNet's (the masked image is its control image), with no image or strength.
-    "sd3": ("txt2img",),
-    # No Qwen-Image ControlNet img2img; QwenImageControlNetInpaintPipeline, like SD3's, runs an
-    # inpainting ControlNet on a control image and control mask, with no image or strength.
-    "qwenimage": ("txt2img",),
-    # No Z-Image ControlNet img2img; ZImageControlNetInpaintPipeline feeds the masked image and
-    # the mask to the ControlNet (33 input channels, Fun-Controlnet-Union 2.x's) and takes no
-    # strength: another checkpoint's task, not kiln's inpaint.
-    "zimage": ("txt2img",),
-}
-NO_CONTROL: dict[str, str] = {
-    "flux2": "FLUX.2 klein has no ControlNet (none published for it, none in diffusers 0.42)",
-}
-# Families whose ControlNet kiln loads as a union model (ControlNetUnionModel): each manifest
-# entry gives the mode its checkpoint's card lists for its kind.
-UNION_FAMILIES: frozenset[str] = frozenset({"sdxl"})
-# Families whose control pipeline takes one ControlNet and one image, and why.
-ONE_CONTROL: dict[str, str] = {
-    "qwenimage": (
-        "QwenImageControlNetPipeline runs one ControlNet (its multi-ControlNet is one union"
-        " checkpoint over several images, not several checkpoints)"
-    ),
-    "zimage": "ZImageControlNetPipeline takes one ZImageControlNetModel",
-}
-# Families whose control pipeline applies a control over every step, and why.
-WHOLE_SCHEDULE: dict[str, str] = {
-    "zimage": "ZImageControlNetPipeline's call takes no control_guidance_start or end",
-}
 
 
 class ControlNetSpec(BaseModel):
@@ -114,7 +74,8 @@ def check_control_names(
 
 def entry_refusal(family: str, spec: ControlNetSpec) -> str | None:
     """Why a manifest entry cannot run on its family's ControlNet pipeline, or None."""
-    if family in UNION_FAMILIES and spec.union_mode is None:
+    rule = _rule(family)
+    if rule is not None and rule.union and spec.union_mode is None:
         return (
             f"union_mode=None: family {family}'s ControlNet is a union model, so each entry gives"
             " its kind's mode index from the checkpoint's card"
@@ -126,12 +87,18 @@ def control_refusal(family: str, mode: str | None = None) -> str | None:
     """Why a family (and mode) takes no control, or None."""
     if mode == "edit":
         return "an edit model's pipeline takes no ControlNet"
-    modes = CONTROL_MODES.get(family)
-    if modes is None:
-        return NO_CONTROL.get(family, f"family {family} has no ControlNet in kiln")
-    if mode is not None and mode not in modes:
-        return f"family {family} takes a control in {', '.join(modes)} only"
+    row = FAMILIES.get(family)
+    rule = None if row is None else row.control_rule
+    if rule is None:
+        return f"family {family} has no ControlNet in kiln" if row is None else row.no_control()
+    if mode is not None and mode not in rule.modes:
+        return f"family {family} takes a control in {', '.join(rule.modes)} only"
     return None
+
+
+def _rule(family: str) -> ControlRule | None:
+    row = FAMILIES.get(family)
+    return None if row is None else row.control_rule
 
 
 def resolve_controls(
@@ -159,8 +126,10 @@ def resolve_controls(
     if why is not None:
         problems.append(Problem("controls", f"mode {mode}", why))
         return None
-    if len(choices) > 1 and family in ONE_CONTROL:
-        rule = f"family {family} takes one control: {ONE_CONTROL[family]}"
+    control = _rule(family)
+    assert control is not None  # control_refusal says why otherwise
+    if len(choices) > 1 and control.one is not None:
+        rule = f"family {family} takes one control: {control.one}"
         problems.append(Problem("controls", f"{len(choices)} controls", rule))
         return None
     resolved: list[ControlChoice] = []
@@ -186,10 +155,10 @@ def resolve_controls(
         if math.isfinite(start) and math.isfinite(end) and start >= end:
             rule = f"must be below end ({end:g}): the control applies from start to end"
             problems.append(Problem(f"{field}.start", start, rule))
-        if family in WHOLE_SCHEDULE:
+        if control.whole_schedule is not None:
             for name, value, whole in (("start", start, 0.0), ("end", end, 1.0)):
                 if value != whole:
-                    rule = f"must be {whole:g} on family {family}: {WHOLE_SCHEDULE[family]}"
+                    rule = f"must be {whole:g} on family {family}: {control.whole_schedule}"
                     problems.append(Problem(f"{field}.{name}", value, rule))
         preprocess = choice.preprocess or "none"
         if preprocess == "canny" and spec.kind not in ("canny", "union"):

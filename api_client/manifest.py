@@ -1,15 +1,14 @@
-"""The manifest schema, its per-family tables (grid, CFG rule, modes) and the loading of manifest
-files; shared by client and worker. What a request may ask of a manifest: api_client/resolve.py.
+"""The manifest schema and the loading of manifest files (shipped first, then KILN_MANIFESTS);
+shared by client, gateway and worker. What a manifest of each family may declare is its row in
+api_client.families; what a request may ask of a manifest, api_client/resolve.py.
 
-Over 400 lines because the schema, the family tables it validates against and the reading of
-manifest directories (shipped first, then KILN_MANIFESTS) are one contract: what a manifest is
-and where one comes from, read by client, gateway and worker alike."""
+Over 400 lines because the schema, its per-field rules and the reading of manifest directories
+are one contract: what a manifest is and where one comes from."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +23,7 @@ from pydantic import (
 
 from api_client.controls import ControlNetSpec, check_control_names, control_refusal
 from api_client.errors import Problem
+from api_client.families import FAMILIES, Family, FamilyRow, families_with, family_row
 from api_client.loras import LoraSpec, check_lora_names
 from api_client.references import IPAdapterSpec, reference_refusal
 from api_client.schema import (
@@ -31,7 +31,6 @@ from api_client.schema import (
     Rung,
 )
 
-Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage", "upscaler"]
 Scheduler = Literal[
     "dpmsolver",
     "euler",
@@ -56,61 +55,10 @@ SwitchName = Literal[
 # integer weight schemes that run wherever torchao's kernels do.
 QuantScheme = Literal["float8", "int8", "int8_dynamic", "int4"]
 
-# Pixels per latent cell: the VAE's 8x, times the 2x2 patch of the transformer families.
-GRID: dict[str, int] = {
-    "sd15": 8,
-    "sd2": 8,
-    "sdxl": 8,
-    "sd3": 16,
-    "flux": 16,
-    "flux2": 16,
-    "qwenimage": 16,
-    "zimage": 16,
-    "upscaler": 1,  # an image of any size within the input caps: no latent grid
-}
-
-
-# The modes each family's pipelines serve here (from_pipe of the resident one:
-# worker.pipelines.families).
-FAMILY_MODES: dict[str, tuple[Mode, ...]] = {
-    **{f: ("txt2img", "img2img", "inpaint") for f in ("sd15", "sd2", "sdxl", "sd3", "zimage")},
-    **{f: ("txt2img", "img2img", "inpaint", "edit") for f in ("flux", "qwenimage")},
-    "flux2": ("txt2img",),
-    "upscaler": ("upscale",),
-}
-# edit is an edit model's own checkpoint (FLUX.1 Kontext, Qwen-Image-Edit) whose pipeline class is
-# the resident one, so a manifest that lists edit lists only what that pipeline renders: Kontext
-# also renders from a prompt alone; Qwen-Image-Edit's always reads an input image.
-EDIT_MODES: dict[str, tuple[Mode, ...]] = {"flux": ("txt2img", "edit"), "qwenimage": ("edit",)}
 TXT2IMG_ONLY: tuple[Mode, ...] = ("txt2img",)
 # How much of an input image img2img and inpaint re-noise unless the request says (A1111's
 # default denoising strength).
 DEFAULT_STRENGTH = 0.75
-
-
-@dataclass(frozen=True)
-class CfgRule:
-    """Which request field runs a family's classifier-free guidance, and above what value.
-
-    A negative prompt only steers a render through that guidance, so without it a negative
-    prompt is refused rather than ignored."""
-
-    field: Literal["guidance", "true_cfg"]
-    above: float
-
-
-CFG: dict[str, CfgRule] = {
-    "sd15": CfgRule("guidance", 1.0),
-    "sd2": CfgRule("guidance", 1.0),
-    "sdxl": CfgRule("guidance", 1.0),
-    "sd3": CfgRule("guidance", 1.0),
-    "flux2": CfgRule("guidance", 1.0),  # FLUX.2 klein base; the distilled klein caps guidance at 1
-    "zimage": CfgRule("guidance", 0.0),  # ZImagePipeline runs CFG for any guidance above 0
-    # FLUX.1's guidance is an embedding the distilled model was trained with, not CFG; FLUX.1 and
-    # Qwen-Image run true CFG (a second pass on the negative prompt) through true_cfg.
-    "flux": CfgRule("true_cfg", 1.0),
-    "qwenimage": CfgRule("true_cfg", 1.0),
-}
 
 
 class _Strict(BaseModel):
@@ -139,19 +87,6 @@ class GuidanceRange(_Strict):
         return self
 
 
-# Families whose transformer diffusers' First Block Cache runs on (CacheMixin, registered blocks):
-# FLUX.1 and Qwen-Image in diffusers 0.42. The others' reason, as a job's settings report it.
-STEP_CACHE_FAMILIES = ("flux", "qwenimage")
-NO_STEP_CACHE: dict[str, str] = {
-    # Measured on tiny-flux2: the cache's tail block (a single-stream one) returns one tensor where
-    # its head (a double-stream one) returned two, and the residual subtraction raises TypeError.
-    "flux2": "FLUX.2's First Block Cache fails in diffusers 0.42 (its single-stream tail block"
-    " returns one tensor, its head two: TypeError)",
-    **{f: f"{f}'s UNet has no step cache in diffusers" for f in ("sd15", "sd2", "sdxl")},
-    "sd3": "SD3's transformer has no step cache hooks in diffusers",
-    "zimage": "Z-Image's transformer has no cache mixin in diffusers (cache-dit covers it; kiln"
-    " does not ship cache-dit)",
-}
 # Steps at and above which auto uses a model's step cache when its manifest names no min_steps:
 # the first step always computes and reuse needs steps that change little, which 20+ step
 # schedules have and few-step (distilled) ones do not (Qwen-Image-Lightning 1.04-1.33x, FLUX.2
@@ -220,42 +155,13 @@ def partway_refusal(spec: FirstBlockCache | MagCache, mode: str | None) -> str |
     return None
 
 
-# What a manifest of family upscaler may not set: the fields of a diffusion pipeline.
-DIFFUSION_ONLY = (
-    "steps",
-    "guidance",
-    "resolutions",
-    "rung_vram_gb",
-    "scheduler",
-    "true_cfg",
-    "max_sequence_length",
-    "component_gb",
-    "quantize",
-    "taesd",
-    "vae",
-    "loras",
-    "step_cache",
-    "controlnets",
-    "ip_adapter",
-)
-# An upscaler runs one forward pass over the image and is guided by nothing: its steps and
-# guidance, which every manifest has, are these, and a request may not set either.
-UPSCALER_STEPS: dict[str, float] = {"default": 1, "max": 1}
-UPSCALER_GUIDANCE: dict[str, float] = {"default": 0.0, "max": 0.0}
-UPSCALER_TILE = 512  # input pixels a tile starts at (Real-ESRGAN's scripts use 400-512)
-# The files spandrel reads: safetensors, or a pickled state dict (read with weights_only).
-UPSCALER_FILES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
-
-
-def _same(given: Any, fixed: dict[str, float] | None) -> bool:
-    """Whether a given steps or guidance range is an upscaler's fixed one (as dumped)."""
-    if fixed is None:
-        return False
+def _same(given: Any, fixed: Any) -> bool:
+    """Whether a given field is the family's fixed value for it (as a manifest dumps it)."""
     if isinstance(given, BaseModel):
         given = given.model_dump()
-    return isinstance(given, dict) and {k: float(v) for k, v in given.items()} == {
-        k: float(v) for k, v in fixed.items()
-    }
+    if isinstance(given, dict) and isinstance(fixed, dict):
+        return {k: float(v) for k, v in given.items()} == {k: float(v) for k, v in fixed.items()}
+    return False
 
 
 class Manifest(_Strict):
@@ -320,51 +226,37 @@ class Manifest(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _upscaler_defaults(cls, data: Any) -> Any:
-        """An upscaler's steps, guidance and modes are fixed (one pass, no guidance, upscale);
-        the fields of a diffusion pipeline are refused on it, naming each."""
-        if not isinstance(data, dict) or data.get("family") != "upscaler":
+    def _family_fields(cls, data: Any) -> Any:
+        """The family's fixed fields filled in (an upscaler's steps, guidance, modes: one pass,
+        no guidance, upscale), and another kind's fields refused, naming each."""
+        row = FAMILIES.get(data.get("family") or "") if isinstance(data, dict) else None
+        if row is None:
             return data
-        fixed: dict[str, dict[str, float]] = {
-            "steps": UPSCALER_STEPS,
-            "guidance": UPSCALER_GUIDANCE,
-        }
         # A manifest read back from its own dump (Redis, the API) carries the fixed values.
         present = [
             name
-            for name in DIFFUSION_ONLY
-            if data.get(name) and not _same(data[name], fixed.get(name))
+            for name in row.foreign
+            if data.get(name) and not _same(data[name], row.fixed.get(name))
         ]
         if present:
-            raise ValueError(
-                f"{', '.join(present)}: a diffusion pipeline's fields; an upscaler has none"
-            )
-        filled = {
-            "steps": UPSCALER_STEPS,
-            "guidance": UPSCALER_GUIDANCE,
-            "modes": ["upscale"],
-            "tile": UPSCALER_TILE,
-            "min_vram_gb": 0.0,
-        }
-        return {**filled, **data}
+            raise ValueError(f"{', '.join(present)}: {row.foreign_refusal()}")
+        return {**row.fixed, **data}
 
     @model_validator(mode="after")
-    def _upscaler_or_pipeline(self) -> Manifest:
-        """An upscaler names its scale and one weights file; a diffusion pipeline neither, and
+    def _weights_or_sizes(self) -> Manifest:
+        """A family run from one weights file names its scale and that file; a pipeline lists
         at least one resolution."""
-        if self.family != "upscaler":
-            given = [f for f in ("scale", "tile") if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)}: family {self.family} is no upscaler")
+        files = self.family_row.weights_files
+        if not files:
             if not self.resolutions:
                 raise ValueError("resolutions: a diffusion model lists at least one size")
             return self
         if self.scale is None:
             raise ValueError("scale: an upscaler names its native scale (2, 4, ...)")
-        if not self.source.endswith(UPSCALER_FILES) or ".." in self.source.split("/"):
+        if not self.source.endswith(files) or ".." in self.source.split("/"):
             raise ValueError(
                 f"source {self.source!r}: an upscaler's source is its weights file"
-                f" ({', '.join(UPSCALER_FILES)}): a path under KILN_MODELS_DIR or an absolute"
+                f" ({', '.join(files)}): a path under KILN_MODELS_DIR or an absolute"
                 " one, or owner/repo/file on the hub"
             )
         return self
@@ -399,9 +291,9 @@ class Manifest(_Strict):
     @field_validator("true_cfg")
     @classmethod
     def _true_cfg_family(cls, value: GuidanceRange | None, info: ValidationInfo) -> object:
-        family = info.data.get("family")
-        if value is not None and family is not None and CFG[family].field != "true_cfg":
-            raise ValueError(f"family {family} has no true CFG; its CFG is guidance")
+        row = FAMILIES.get(info.data.get("family") or "")
+        if value is not None and row is not None and row.cfg.field != "true_cfg":
+            raise ValueError(f"family {row.name} has no true CFG; its CFG is guidance")
         return value
 
     @field_validator("resolutions")
@@ -410,7 +302,8 @@ class Manifest(_Strict):
         cls, sizes: list[tuple[int, int]], info: ValidationInfo
     ) -> list[tuple[int, int]]:
         family = info.data.get("family")
-        grid = GRID.get(family or "", 8)
+        row = FAMILIES.get(family or "")
+        grid = 8 if row is None else row.grid
         for width, height in sizes:
             if width < 64 or height < 64 or width > 4096 or height > 4096:
                 raise ValueError(f"{width}x{height} is outside 64..4096 px")
@@ -426,7 +319,8 @@ class Manifest(_Strict):
     @classmethod
     def _long_prompt_encoder(cls, tokens: int | None, info: ValidationInfo) -> int | None:
         family = info.data.get("family")
-        if tokens is not None and family in ("sd15", "sd2", "sdxl"):
+        row = FAMILIES.get(family or "")
+        if tokens is not None and row is not None and row.clip_only:
             raise ValueError(f"family {family} reads prompts with CLIP alone (77 tokens)")
         return tokens
 
@@ -470,11 +364,12 @@ class Manifest(_Strict):
     @classmethod
     def _modes_served(cls, modes: list[str], info: ValidationInfo) -> list[str]:
         family = info.data.get("family")
-        served = FAMILY_MODES.get(family or "", ())
+        row = FAMILIES.get(family or "")
+        served = () if row is None else row.modes
         for mode in modes:
             if mode not in served:
                 raise ValueError(f"{mode}: family {family} serves {', '.join(served)} here")
-        edit = EDIT_MODES.get(family or "", ())
+        edit = () if row is None else row.edit_modes
         if "edit" in modes and not set(modes) <= set(edit):
             raise ValueError(
                 f"{', '.join(m for m in modes if m not in edit)}: a {family} manifest with edit is"
@@ -490,11 +385,10 @@ class Manifest(_Strict):
         family = info.data.get("family") or ""
         if spec is None:
             return spec
-        if family not in STEP_CACHE_FAMILIES:
-            raise ValueError(
-                f"{NO_STEP_CACHE.get(family, family)}; step caches run on "
-                f"{', '.join(STEP_CACHE_FAMILIES)}"
-            )
+        row = FAMILIES.get(family)
+        why = family if row is None else row.no_step_cache
+        if why is not None:
+            raise ValueError(f"{why}; step caches run on {', '.join(families_with('step_cache'))}")
         if info.data.get("compile_method") == "whole":
             raise ValueError(
                 "compile_method whole puts the cache's per-step decision inside the one graph;"
@@ -511,6 +405,11 @@ class Manifest(_Strict):
             if need < 0:
                 raise ValueError(f"{rung} needs {need} GB; must be >= 0")
         return needs
+
+    @property
+    def family_row(self) -> FamilyRow:
+        """What the manifest's family is and allows (api_client.families)."""
+        return family_row(self.family)
 
     @property
     def default_size(self) -> tuple[int, int]:

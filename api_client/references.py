@@ -1,7 +1,7 @@
 """A reference image (IP-Adapter) as a manifest allows it and a request asks for it: the
-manifest's `ip_adapter` (the adapter's weights and its image encoder), the families and modes
-kiln runs one on, and the check that resolves a request's `reference` (no torch here; the
-worker's side is worker.pipelines.reference)."""
+manifest's `ip_adapter` (the adapter's weights and its image encoder) and the check that resolves
+a request's `reference` (the families and modes kiln runs one on: their rows in
+api_client.families; no torch here; the worker's side is worker.pipelines.reference)."""
 
 from __future__ import annotations
 
@@ -11,28 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api_client.controls import MAX_STRENGTH  # A1111's slider ends, for an IP-Adapter too
 from api_client.errors import Problem
+from api_client.families import FAMILIES, REFERENCE_MODES
 from api_client.schema import ReferenceChoice
 
 DEFAULT_STRENGTH = 1.0  # diffusers' set_ip_adapter_scale default, A1111's and InvokeAI's
-# Families and modes kiln runs an IP-Adapter on: diffusers' IPAdapterMixin on their txt2img,
-# img2img and inpaint pipelines (and their ControlNet pipelines), h94/IP-Adapter's weights.
-REFERENCE_MODES: dict[str, tuple[str, ...]] = {
-    "sd15": ("txt2img", "img2img", "inpaint"),
-    "sdxl": ("txt2img", "img2img", "inpaint"),
-}
-NO_REFERENCE: dict[str, str] = {
-    "sd2": "no IP-Adapter is published for SD 2.x (h94/IP-Adapter's are for SD1.5 and SDXL)",
-    "sd3": (
-        "kiln does not run SD3.5's IP-Adapter yet (InstantX's, for SD3.5 Large only, through"
-        " diffusers' SD3IPAdapterMixin)"
-    ),
-    "flux": (
-        "kiln does not run FLUX.1's IP-Adapter yet (XLabs', through diffusers' FluxIPAdapterMixin)"
-    ),
-    "flux2": "FLUX.2 klein has no IP-Adapter (none published for it, none in diffusers 0.42)",
-    "qwenimage": "Qwen-Image has no IP-Adapter (none published for it, none in diffusers 0.42)",
-    "zimage": "Z-Image has no IP-Adapter (none published for it, none in diffusers 0.42)",
-}
 WEIGHT_FILES = (".safetensors", ".bin")  # what diffusers' load_ip_adapter reads
 
 
@@ -87,9 +69,12 @@ class IPAdapterSpec(BaseModel):
 
 def reference_refusal(family: str, mode: str | None = None) -> str | None:
     """Why a family (and mode) takes no reference image, or None."""
-    modes = REFERENCE_MODES.get(family)
-    if modes is None:
-        return NO_REFERENCE.get(family, f"family {family} has no IP-Adapter in kiln")
+    row = FAMILIES.get(family)
+    if row is None:
+        return f"family {family} has no IP-Adapter in kiln"
+    modes = row.reference_modes
+    if not modes:
+        return row.no_reference()
     if mode is not None and mode not in modes:
         return f"family {family} takes a reference in {', '.join(modes)} only"
     return None

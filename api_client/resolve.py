@@ -9,8 +9,9 @@ import random
 
 from api_client.controls import resolve_controls
 from api_client.errors import Problem, RequestRejected, short
+from api_client.families import families_with
 from api_client.loras import resolve_loras
-from api_client.manifest import CFG, DEFAULT_STRENGTH, Manifest, partway_refusal
+from api_client.manifest import DEFAULT_STRENGTH, Manifest, partway_refusal
 from api_client.references import resolve_reference
 from api_client.schema import (
     MAX_IMAGES,
@@ -30,7 +31,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         raise RequestRejected(
             [Problem("model", request.model, f"does not match manifest {manifest.id!r}")]
         )
-    if manifest.family == "upscaler":
+    if not manifest.family_row.prompted:
         return _resolve_upscale(request, manifest)
     problems: list[Problem] = []
     steps = manifest.steps.default if request.steps is None else request.steps
@@ -154,12 +155,9 @@ def _mode(
     return mode, float(strength)
 
 
-# Families whose img2img pipeline takes latents as its image (a hires pass's "latent" upscaler):
-# SD's, SDXL's and SD3's as they are, FLUX.1's unpacked (worker.pipelines.hires).
-LATENT_HIRES_FAMILIES = ("sd15", "sd2", "sdxl", "sd3", "flux")
 MAX_HIRES_SCALE = 4.0
-# The contract's defaults (DESIGN.md): strength 0.35 keeps the first pass's composition (A1111's
-# own default is 0.7), over half the model's default steps.
+# The contract's defaults (docs/contract.md): strength 0.35 keeps the first pass's composition
+# (A1111's own default is 0.7), over half the model's default steps.
 DEFAULT_HIRES_STRENGTH = 0.35
 MAX_UPSCALED = 8192 * 8192  # pixels an upscale makes: 1 GB of float RGB and weights on the device
 
@@ -173,8 +171,6 @@ def _hires(
 ) -> HiresRequest | None:
     """The hires pass with its defaults filled in; problems name each break. Whether a named
     upscaler is served is check_upscaler's (it needs every manifest)."""
-    from api_client.manifest import GRID
-
     hires = request.hires
     if hires is None:
         return None
@@ -186,7 +182,8 @@ def _hires(
         problems.append(Problem("hires", manifest.id, rule))
         return None
     before = len(problems)
-    scale, grid = hires.scale, GRID[manifest.family]
+    row = manifest.family_row
+    scale, grid = hires.scale, row.grid
     if not math.isfinite(scale) or not 1 < scale <= MAX_HIRES_SCALE:
         rule = f"must be above 1 and at most {MAX_HIRES_SCALE:g}"
         problems.append(Problem("hires.scale", scale, rule))
@@ -212,10 +209,10 @@ def _hires(
         rule = f"with {second} steps re-noises {second * strength:g} of them; needs at least 1"
         problems.append(Problem("hires.strength", strength, rule))
     upscaler = hires.upscaler or "latent"
-    if upscaler == "latent" and manifest.family not in LATENT_HIRES_FAMILIES:
+    if upscaler == "latent" and not row.latent_hires:
         rule = (
             f"family {manifest.family}'s img2img takes no latents; name an upscaler manifest"
-            f" (latent upscaling: {', '.join(LATENT_HIRES_FAMILIES)})"
+            f" (latent upscaling: {', '.join(families_with('latent_hires'))})"
         )
         problems.append(Problem("hires.upscaler", upscaler, rule))
     if len(problems) > before:
@@ -233,13 +230,14 @@ def hires_size(request: RenderRequest) -> tuple[int, int]:
 
 
 def check_upscaler(request: RenderRequest, manifests: dict[str, Manifest]) -> None:
-    """RequestRejected unless a hires pass's named upscaler is an upscaler manifest here."""
+    """RequestRejected unless a hires pass's named upscaler is an upscaler manifest here (one
+    that serves mode upscale)."""
     upscaler = request.hires.upscaler if request.hires is not None else None
     if upscaler in (None, "latent"):
         return
     found = manifests.get(upscaler or "")
-    if found is None or found.family != "upscaler":
-        known = sorted(m.id for m in manifests.values() if m.family == "upscaler")
+    if found is None or "upscale" not in found.modes:
+        known = sorted(m.id for m in manifests.values() if "upscale" in m.modes)
         rule = f"must be latent or an upscaler manifest: {', '.join(known) or 'none served'}"
         raise RequestRejected([Problem("hires.upscaler", upscaler, rule)], model=request.model)
 
@@ -335,7 +333,7 @@ def _negative_prompt_problems(
     """A negative prompt steers only through the family's CFG; without it, it would be ignored."""
     if not request.negative_prompt.strip():
         return []
-    rule = CFG[manifest.family]
+    rule = manifest.family_row.cfg
     value = guidance if rule.field == "guidance" else true_cfg
     if value is not None and value > rule.above:
         return []

@@ -1,6 +1,7 @@
-"""A rung is one row of worker.memory.rungs.TABLE and a family one FamilySpec: rows a test
-registers itself (a fake rung, a fake family) are walked by the ladder, planned by `kiln doctor
---profile`, decided by the switches and placed and loaded, with no other edit."""
+"""A rung is one row of worker.memory.rungs.TABLE and a family one row of api_client.families with
+its FamilySpec: rows a test registers itself (a fake rung, a fake family) are walked by the ladder,
+planned by `kiln doctor --profile`, decided by the switches and placed and loaded, with no other
+edit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, get_args
 import pytest
 import torch
 
+from api_client import families as rows
 from api_client.manifest import Family, Manifest
 from api_client.schema import RUNGS, Attempt, SettingsReport
 from tests.conftest import MANIFESTS
@@ -173,9 +175,15 @@ def _renamed(manifest: Manifest, family: str, denoiser: str) -> Manifest:
     )
 
 
+def _register(monkeypatch: pytest.MonkeyPatch, name: str, like: str, spec: FamilySpec) -> None:
+    """A family of its own: its row (like another's) and its worker's spec."""
+    monkeypatch.setitem(rows.FAMILIES, name, replace(rows.FAMILIES[like], name=name))
+    monkeypatch.setitem(families.SPECS, name, spec)
+
+
 def _with_fake_family(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> FamilySpec:
     spec = replace(SPECS["flux"], denoiser="prior", **fields)
-    monkeypatch.setitem(families.SPECS, "fakefam", spec)
+    _register(monkeypatch, "fakefam", "flux", spec)
     return spec
 
 
@@ -220,7 +228,7 @@ def test_a_loaded_pipeline_carries_its_familys_spec(
         dropped=("text_encoder",),  # loaded without it: from_pretrained reads the spec
         load_options={},
     )
-    monkeypatch.setitem(families.SPECS, "fakesd", spec)
+    _register(monkeypatch, "fakesd", "sd15", spec)
     manifest = load_manifests(settings.manifests, ["tiny-sd15"])["tiny-sd15"]
     manifest = manifest.model_copy(update={"family": "fakesd"})
     loaded = load_pipeline(manifest, "full", probe(settings), settings, FaultPlan())

@@ -176,7 +176,7 @@ def _measured(settings: Settings, info: DeviceInfo) -> list[Comparison]:
 
     def declared(model: str, rung: str) -> float | None:
         manifest = manifests.get(model)
-        if manifest is None or rung not in rungs.names() or manifest.family == "upscaler":
+        if manifest is None or rung not in rungs.names() or manifest.family_row.tiles:
             return None
         return rung_need_gb(manifest, rung, fit_for(manifest, info, settings))
 

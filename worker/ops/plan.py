@@ -50,7 +50,7 @@ class ModelPlan:
         return [name for k, name, _ in self.switches if k == kind]
 
     def as_json(self) -> dict[str, Any]:
-        """`kiln doctor --profile NAME --json`: one object per manifest (DESIGN.md's keys)."""
+        """`kiln doctor --profile NAME --json`: one object per manifest (the contract's keys)."""
         return {
             "model": self.model,
             "runs": self.runs,
@@ -66,8 +66,8 @@ def plan_model(
     manifest: Manifest, info: DeviceInfo, settings: Settings, usable: float
 ) -> ModelPlan:
     """The decisions a load of manifest would make on info's card with usable GB to plan with."""
-    if manifest.family == "upscaler":
-        return _upscaler_plan(manifest, info, usable)
+    if manifest.family_row.tiles:
+        return _tiled_plan(manifest, info, usable)
     dtype, dtype_reason = choose_dtype(manifest, info)
     fit = fit_for(manifest, info, settings)
     spec = spec_for(manifest)
@@ -94,7 +94,7 @@ def plan_model(
     return plan
 
 
-def _upscaler_plan(manifest: Manifest, info: DeviceInfo, usable: float) -> ModelPlan:
+def _tiled_plan(manifest: Manifest, info: DeviceInfo, usable: float) -> ModelPlan:
     """An upscaler has one rung: whole on the device, its tiles halving on out of memory; its
     precision is read off the file at load (half where the architecture has it)."""
     dtype = "fp32" if not info.accelerator else "bf16" if info.bf16 else "fp16"

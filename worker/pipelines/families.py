@@ -1,7 +1,8 @@
-"""What differs between model families, one FamilySpec each: the pipeline class, what its load
-drops, its precision and VAE rules, prompt encoding, latent decoding. A family's spec is looked
-up once per load (spec_for) and carried with the loaded pipeline (LoadedPipeline.spec); nothing
-else branches on a family's name.
+"""How kiln renders each diffusion family, one FamilySpec each: the worker's half of a family's row
+(the other half, what a manifest and a request may ask of it, is api_client.families.FamilyRow):
+its pipeline classes, what its load drops, its precision and VAE rules, prompt encoding, latent
+decoding. A family's spec is looked up once per load (spec_for) and carried with the loaded
+pipeline (LoadedPipeline.spec); code asks the spec or the row, never the family's name.
 
 Rendering runs in three calls (encode, denoise to latents, decode) instead of one pipeline call
 so each phase is timed, fault-injected and retried on its own. torch is imported where a decode
@@ -17,7 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from api_client.manifest import CFG, Manifest
+from api_client.families import family_row
+from api_client.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +30,7 @@ Embeds = dict[str, Any]  # tensors; Z-Image takes a list of per-prompt tensors
 
 def cfg_active(family: str, guidance: float, true_cfg: float | None) -> bool:
     """Whether the family's classifier-free guidance runs (and so needs negative embeddings)."""
-    rule = CFG[family]
+    rule = family_row(family).cfg
     value = guidance if rule.field == "guidance" else true_cfg
     return value is not None and value > rule.above
 
@@ -50,7 +52,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class ControlFamily:
-    """How a family runs a ControlNet (api_client.controls.CONTROL_MODES: where kiln allows it)."""
+    """How a family runs a ControlNet (where kiln allows it: its row's ControlRule)."""
 
     model_class: str  # the diffusers ControlNet model class its checkpoints load as
     pipelines: dict[str, str]  # mode -> the control pipeline class, derived from the resident one
@@ -65,7 +67,8 @@ class ControlFamily:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """How kiln renders one family (api_client.manifest.Family names them)."""
+    """How kiln renders one family (api_client.families.Family names them; its FamilyRow says what
+    a manifest and a request may ask of it)."""
 
     pipeline_class: str  # attribute of the diffusers package
     # (pipe, device, prompt) -> the pipeline call's embeddings, already repeated for the batch
@@ -76,9 +79,6 @@ class FamilySpec:
     guidance: Callable[[float, float | None], dict[str, Any]] = lambda g, _t: {"guidance_scale": g}
     fp16_safe: bool = True  # sd3 and the flow transformers overflow in fp16: bf16 or fp32
     denoiser: str = "unet"
-    # TAESD previews need the loop's latents unpacked (B, C, H, W); FLUX and Qwen-Image pack
-    # them into 2x2 patch tokens.
-    previews: bool = True
     # mode -> the diffusers class a mode's pipeline is derived as (from_pipe: same modules).
     modes: dict[str, str] = field(default_factory=dict)
     # (width, height) -> pipeline call arguments of this family's own (FLUX.1 Kontext's size).
@@ -94,6 +94,9 @@ class FamilySpec:
     # its default): an fp16 VAE that sets it is kept in fp32 from load (worker.pipelines.vae).
     vae_upcast: bool = False
     control: ControlFamily | None = None  # its ControlNet pipelines, where kiln runs them
+    # An edit model of the family (FamilyRow.edit_modes): its own checkpoint, whose pipeline is
+    # loaded as the resident one.
+    edit: FamilySpec | None = None
 
     def load_kwargs(self) -> dict[str, Any]:
         """The family's own from_pretrained arguments."""
@@ -110,16 +113,24 @@ def _encode_sd15(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
     return embeds
 
 
-def _encode_pooled(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+def _encode_sdxl(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    return _encode_pooled(pipe, device, p, prompt_2=None)
+
+
+def _encode_sd3(pipe: Any, device: torch.device, p: Prompt) -> Embeds:
+    """SD3's third encoder (T5) reads the manifest's max_sequence_length."""
+    return _encode_pooled(pipe, device, p, prompt_2=None, prompt_3=None, **p.tokens())
+
+
+def _encode_pooled(pipe: Any, device: torch.device, p: Prompt, **extra: Any) -> Embeds:
     """sdxl and sd3 return (embeds, negative, pooled, negative pooled)."""
-    sd3 = hasattr(pipe, "tokenizer_3")
     positive, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
         prompt=p.text,
         device=device,
         num_images_per_prompt=p.count,
         do_classifier_free_guidance=p.cfg,
         negative_prompt=p.negative or None,
-        **({"prompt_2": None, "prompt_3": None, **p.tokens()} if sd3 else {"prompt_2": None}),
+        **extra,
     )
     embeds = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
     if p.cfg:
@@ -336,14 +347,28 @@ _SD = FamilySpec(
     ),
 )
 
-# Adding a family is one entry here, its name in api_client.manifest.Family (and that module's
-# per-family tables: grid, CFG rule, modes), its tiny model (worker.pipelines.tiny) and its tests.
+
+def _kontext_call(width: int, height: int) -> dict[str, Any]:
+    """FluxKontextPipeline rescales the output to max_area (1 MP unless told) and the input to the
+    nearest of the resolutions Kontext was trained at; the job's size is the manifest's, and an
+    input is the job's size (kiln never resizes one), so neither is changed here."""
+    return {"max_area": width * height, "_auto_resize": False}
+
+
+def _with_edit(spec: FamilySpec, **edit: Any) -> FamilySpec:
+    """The family's spec with its edit model's: the same encode and decode, its own pipeline class,
+    no modes derived from it and no ControlNet."""
+    return replace(spec, edit=replace(spec, modes={}, control=None, **edit))
+
+
+# Adding a family is one entry here with its pipeline classes, its row in api_client.families,
+# its tiny model (worker.pipelines.tiny) and its tests.
 SPECS: dict[str, FamilySpec] = {
     "sd15": _SD,
     "sd2": _SD,
     "sdxl": FamilySpec(
         "StableDiffusionXLPipeline",
-        _encode_pooled,
+        _encode_sdxl,
         _decode_sdxl,
         modes=_modes("StableDiffusionXL"),
         vae_upcast=True,
@@ -360,7 +385,7 @@ SPECS: dict[str, FamilySpec] = {
     ),
     "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
-        _encode_pooled,
+        _encode_sd3,
         _decode_sd3,
         fp16_safe=False,
         denoiser="transformer",
@@ -369,18 +394,21 @@ SPECS: dict[str, FamilySpec] = {
             "SD3ControlNetModel", {"txt2img": "StableDiffusion3ControlNetPipeline"}, global_rng=True
         ),
     ),
-    "flux": FamilySpec(
-        "FluxPipeline",
-        _encode_flux,
-        _decode_flux,
-        guidance=_true_cfg,
-        fp16_safe=False,
-        denoiser="transformer",
-        previews=False,
-        modes=_modes("Flux"),
-        control=ControlFamily(
-            "FluxControlNetModel", {"txt2img": "FluxControlNetPipeline"}, noise_first=True
+    "flux": _with_edit(
+        FamilySpec(
+            "FluxPipeline",
+            _encode_flux,
+            _decode_flux,
+            guidance=_true_cfg,
+            fp16_safe=False,
+            denoiser="transformer",
+            modes=_modes("Flux"),
+            control=ControlFamily(
+                "FluxControlNetModel", {"txt2img": "FluxControlNetPipeline"}, noise_first=True
+            ),
         ),
+        pipeline_class="FluxKontextPipeline",
+        call=_kontext_call,
     ),
     "flux2": FamilySpec(
         "Flux2KleinPipeline",
@@ -388,20 +416,27 @@ SPECS: dict[str, FamilySpec] = {
         _decode_flux2,
         fp16_safe=False,
         denoiser="transformer",
-        previews=False,
     ),
-    "qwenimage": FamilySpec(
-        "QwenImagePipeline",
-        _encode_qwenimage,
-        _decode_qwenimage,
-        guidance=_true_cfg_only,
-        fp16_safe=False,
-        denoiser="transformer",
-        previews=False,
-        modes=_modes("QwenImage"),
-        control=ControlFamily(
-            "QwenImageControlNetModel", {"txt2img": "QwenImageControlNetPipeline"}, noise_first=True
+    "qwenimage": _with_edit(
+        FamilySpec(
+            "QwenImagePipeline",
+            _encode_qwenimage,
+            _decode_qwenimage,
+            guidance=_true_cfg_only,
+            fp16_safe=False,
+            denoiser="transformer",
+            modes=_modes("QwenImage"),
+            control=ControlFamily(
+                "QwenImageControlNetModel",
+                {"txt2img": "QwenImageControlNetPipeline"},
+                noise_first=True,
+            ),
         ),
+        # Its encoder reads the input image too (Prompt.image), through Qwen2.5-VL's vision
+        # tower; its Qwen2VLProcessor cannot be built without a video processor, which needs
+        # torchvision.
+        pipeline_class="QwenImageEditPipeline",
+        requires=("torchvision",),
     ),
     "zimage": FamilySpec(
         "ZImagePipeline",
@@ -415,40 +450,14 @@ SPECS: dict[str, FamilySpec] = {
 }
 
 
-def _kontext_call(width: int, height: int) -> dict[str, Any]:
-    """FluxKontextPipeline rescales the output to max_area (1 MP unless told) and the input to the
-    nearest of the resolutions Kontext was trained at; the job's size is the manifest's, and an
-    input is the job's size (kiln never resizes one), so neither is changed here."""
-    return {"max_area": width * height, "_auto_resize": False}
-
-
-# An edit model is its own checkpoint: a manifest whose modes list edit loads its family's edit
-# pipeline as the resident one (api_client.manifest.EDIT_MODES: what else it may list).
-EDIT_SPECS: dict[str, FamilySpec] = {
-    "flux": replace(
-        SPECS["flux"],
-        pipeline_class="FluxKontextPipeline",
-        modes={},
-        call=_kontext_call,
-        control=None,
-    ),
-    # Its encoder reads the input image too (Prompt.image), through Qwen2.5-VL's vision tower;
-    # its Qwen2VLProcessor cannot be built without a video processor, which needs torchvision.
-    "qwenimage": replace(
-        SPECS["qwenimage"],
-        pipeline_class="QwenImageEditPipeline",
-        modes={},
-        requires=("torchvision",),
-        control=None,
-    ),
-}
-
-
 def spec_for(manifest: Manifest) -> FamilySpec:
     """How this manifest's model renders: its family's spec, or the edit one for an edit model."""
-    if "edit" in manifest.modes:
-        return EDIT_SPECS[manifest.family]
-    return spec_of(manifest.family)
+    spec = spec_of(manifest.family)
+    if "edit" not in manifest.modes:
+        return spec
+    if spec.edit is None:
+        raise ValueError(f"family {manifest.family!r} has no edit pipeline in this worker")
+    return spec.edit
 
 
 def check_installed(manifest: Manifest) -> None:

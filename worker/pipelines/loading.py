@@ -36,7 +36,7 @@ def import_pipeline_classes(manifests: list[Manifest]) -> None:
     from worker.pipelines import upscale
 
     for manifest in manifests:
-        if manifest.family == "upscaler":
+        if manifest.family_row.weights_files:
             upscale.check_installed()  # spandrel, with the torchvision it imports
             continue
         check_installed(manifest)

@@ -144,7 +144,7 @@ class Prefetcher:
         log.info("prefetch: waited %.2f s for %s's read", time.perf_counter() - started, model_id)
 
     def _why_not(self, manifest: Manifest) -> str | None:
-        if manifest.family == "upscaler":
+        if manifest.family_row.weights_files:
             return "an upscaler is a file of tens of MB, read when its job comes"
         bound = self.cache.ram.bound_bytes
         if bound <= 0:

@@ -49,7 +49,7 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
     IP-Adapter and its image encoder); local sources must exist, else FileNotFoundError names
     the path and the command that builds it."""
     wanted: list[Fetch] = []
-    if manifest.family == "upscaler":  # one file: on this disk, or owner/repo/file on the hub
+    if manifest.family_row.weights_files:  # one file: on this disk, or owner/repo/file on the hub
         from worker.pipelines.upscale import hub_file
 
         found = hub_file(manifest, models_dir)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from api_client.manifest import NO_STEP_CACHE, Manifest, StepCacheSpec, partway_refusal
+from api_client.manifest import Manifest, StepCacheSpec, partway_refusal
 from api_client.schema import RenderRequest, StepCacheReport
 from worker.errors import PinRefused
 from worker.pipelines.switches import switch
@@ -57,7 +57,7 @@ def decide(manifest: Manifest, settings: Settings, request: RenderRequest) -> St
     refuses the job naming why (PinRefused), as it does a compile pin it cannot honour."""
     spec, asked = manifest.step_cache, request.step_cache
     if spec is None:
-        why = NO_STEP_CACHE.get(manifest.family, f"model {manifest.id} declares no step_cache")
+        why = manifest.family_row.no_step_cache or f"model {manifest.id} declares no step_cache"
         return StepCacheDecision("skipped", why)
     if asked is False:
         return StepCacheDecision("skipped", "the request asks for every step (step_cache: false)")
@@ -214,7 +214,7 @@ def _config(spec: StepCacheSpec, steps: int) -> Any:
         return FirstBlockCacheConfig(threshold=spec.threshold)
     from diffusers.hooks import MagCacheConfig
 
-    if spec.mag_ratios == "flux":
+    if isinstance(spec.mag_ratios, str):  # named: diffusers' FLUX.1-dev calibration, "flux"
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
         ratios: Any = FLUX_MAG_RATIOS

@@ -3,7 +3,7 @@ taesd_preview, compile): each is auto | on | off, read through one lookup (the m
 `optimizations:` over the KILN_* setting), and each reports applied, skipped or fell_back with
 its reason into the pipeline's SettingsReport. What depends on the rung (vae_tiling's auto,
 compile) is read from the rung's row (worker.memory.rungs), what depends on the family from its
-FamilySpec."""
+rows (FamilySpec, and the manifest's family_row)."""
 
 from __future__ import annotations
 
@@ -75,16 +75,16 @@ def decide_switches(
     else:
         why = "switched off" if tiling == "off" else "auto: fully resident, decode fits"
         decided["vae_tiling"] = Decision("skipped", why)
-    decided["taesd_preview"] = _preview_decision(manifest, spec, value("taesd_preview"))
+    decided["taesd_preview"] = _preview_decision(manifest, value("taesd_preview"))
     return decided
 
 
-def _preview_decision(manifest: Manifest, spec: FamilySpec, value: Switch) -> Decision:
+def _preview_decision(manifest: Manifest, value: Switch) -> Decision:
     if value == "off":
         return Decision("skipped", "switched off")
     if manifest.taesd is None:
         return Decision("skipped", "the manifest names no taesd weights")
-    if not spec.previews:
+    if manifest.family_row.packed_latents:
         why = f"{manifest.family} packs its latents into patch tokens while denoising"
         return Decision("skipped", f"{why}; kiln decodes no preview from them")
     return Decision("applied", f"TAESD {manifest.taesd}: a preview each quarter of the steps")

@@ -51,21 +51,25 @@ __all__ = [
 BUILDER_VERSION: Final = 7
 STAMP_FILE: Final = "kiln_tiny.json"
 
-_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
+# The tiny pipelines, one a family (and flux-kontext, an edit model of the flux family: manifest
+# modes [txt2img, edit], its own checkpoint).
+_PIPELINES: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
     "sd15": sd15,
     "sdxl": sdxl,
     "sd3": sd3,
     "flux": flux,
     "flux2": flux2,
     "qwenimage": qwenimage,
-    # An edit model of the flux family (manifest modes [txt2img, edit]): its own checkpoint.
     "flux-kontext": flux_kontext,
     "zimage": zimage,
-    # Not a pipeline: an ESRGAN file for spandrel (manifest tiny-upscaler, family upscaler).
+}
+# Everything the build makes: the pipelines, and tiny-upscaler, an ESRGAN file for spandrel
+# (manifest tiny-upscaler, family upscaler), not a pipeline.
+_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
+    **_PIPELINES,
     "upscaler": TinyUpscaler,
 }
-# The tiny pipelines, one a family; and everything the build makes (tiny-upscaler as well).
-TINY_FAMILIES: tuple[str, ...] = tuple(f for f in _BUILDERS if f != "upscaler")
+TINY_FAMILIES: tuple[str, ...] = tuple(_PIPELINES)
 TINY_BUILDS: tuple[str, ...] = tuple(_BUILDERS)
 
 # (latent channels, scaling, shift) as the family's TAESD expects: sd15/sdxl TAESDs read the

@@ -14,9 +14,9 @@ from diffusers import DiffusionPipeline
 from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
+from api_client.families import FAMILIES
 from worker.pipelines.tiny.components import seeded
 
-FAMILIES: Final = ("sd15", "sdxl")
 WEIGHTS: Final = "ip-adapter.safetensors"
 # ViT-H's shape at a tiny size: 32 px images in 8 px patches, a 32-wide projection.
 ENCODER: Final[dict[str, Any]] = {
@@ -33,8 +33,10 @@ _SEED: Final = 60
 
 
 def save_tiny_ip_adapter(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
-    """The family's tiny IP-Adapter under directory, for sd15 and sdxl; nothing for others."""
-    if family in FAMILIES:
+    """The family's tiny IP-Adapter under directory where its row runs one (sd15 and sdxl: UNets);
+    nothing for others."""
+    row = FAMILIES.get(family)
+    if row is not None and row.reference_modes:
         save_ip_adapter(pipe.unet, directory, ENCODER, _SEED)
 
 
