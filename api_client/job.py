@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 STOP_TTL_S = 24 * 3600
 ENDED_BADLY = ("failed", "stopped", "canceled")
+ENDED = ("finished", *ENDED_BADLY, "quarantined")
 
 
 class KilnJob:
@@ -75,8 +76,22 @@ class KilnJob:
             raise UnknownJob(f"no job {self.id!r} in Redis (never submitted, or expired)") from None
 
     def status(self) -> str:
-        """queued, started, finished, failed, stopped or canceled (RQ's names)."""
-        return _status(self._fetch())
+        """queued, started, finished, failed, stopped or canceled (RQ's names), or quarantined:
+        a record a worker could not read, moved aside (result() and wait() say why)."""
+        try:
+            return _status(self._fetch())
+        except RenderFailed as exc:
+            if exc.status != "quarantined":
+                raise
+            return exc.status
+
+    def ended(self) -> bool:
+        """Whether the job is over (ENDED: finished, failed, stopped, canceled or quarantined);
+        True too for one Redis no longer holds (expired, deleted)."""
+        try:
+            return self.status() in ENDED
+        except UnknownJob:
+            return True
 
     def progress(self) -> Progress | None:
         """Where the running job is, from its newest progress and preview events since it last

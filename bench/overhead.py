@@ -15,7 +15,7 @@ The last line is machine-readable:
   redis_cmds_per_s_rendering=<n>
 with Redis commands counted by INFO commandstats around the measured queue jobs (everything
 the client and the worker sent, the worker's heartbeat thread included). The last number comes
-from one job of --long-s seconds (40 steps paced by tests/fixtures/paced_worker.py, the client
+from one job of --long-s seconds (40 steps paced by tests/fixtures/kiln_worker.py, the client
 waiting on its events): its commands beyond the short jobs' fixed cost, per second rendered.
 
     python bench/overhead.py [--steps 8] [--jobs 20] [--block 5] [--naive-jobs 3] [--long-s 20]
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     (work / "long").mkdir()
     with (
         private_redis(work / "long") as url,
-        running_worker(work / "long", MODEL, url, "tests.fixtures.paced_worker", pace),
+        running_worker(work / "long", MODEL, url, "tests.fixtures.kiln_worker", pace),
     ):
         times.update(measure_long(args, Redis.from_url(url)))
     report(args, times)

@@ -14,7 +14,7 @@ from redis import Redis
 
 from tests.conftest import ROOT, kiln
 from tests.helpers import client_for, records
-from tests.workers import wait_until
+from tests.workers import WorkerProcess, wait_until
 from worker.pipelines.tiny import TINY_FAMILIES
 
 NEW_FAMILIES = ["tiny-flux", "tiny-flux2", "tiny-qwenimage", "tiny-zimage"]
@@ -96,16 +96,9 @@ def test_submit_takes_true_cfg_and_refuses_a_negative_prompt_it_would_ignore(
 
 
 def test_submit_wait_json_through_a_real_worker_process(
-    kiln_env: dict[str, str], redis_conn: Redis, settings: Any
+    kiln_env: dict[str, str], redis_conn: Redis, settings: Any, tmp_path: Path
 ) -> None:
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--models", "tiny-sd15"],
-        env=kiln_env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = WorkerProcess(kiln_env, tmp_path / "worker.log", "--models", "tiny-sd15")
     try:
         # --wait refuses to wait on a model no live worker serves: this one is up first.
         wait_until(lambda: client_for(redis_conn, settings).workers(), 120, "the worker to start")
@@ -123,9 +116,8 @@ def test_submit_wait_json_through_a_real_worker_process(
         [tiny] = [m for m in json.loads(models.stdout) if m["id"] == "tiny-sd15"]
         assert tiny["workers"] and tiny["resident_on"] == tiny["workers"]
     finally:
-        worker.terminate()
-        out, _ = worker.communicate(timeout=60)
-    assert worker.returncode == 0, out
+        code, out = worker.terminate(timeout=60)
+    assert code == 0, out
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     timing = [line for line in lines if line.get("event") == "job_timing"]
     assert len(timing) == 2 and all(line["status"] == "done" for line in timing)

@@ -27,7 +27,7 @@ def test_no_client_command_stops_a_worker(
     env = {**kiln_env, "KILN_MANIFESTS": str(manifests)}
     client = KilnClient(connection=redis_conn, manifests_dir=manifests)
     gate = Gate(tmp_path / "gate")  # the job waits there, running, while the messages land
-    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", fake=gated(gate))
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", options=gated(gate))
     try:
         worker.wait_ready(redis_conn)
         running = client.submit({"model": "tiny-sd15", "prompt": "x", "steps": 40, "seed": 1})

@@ -6,7 +6,7 @@ webhook's one webhook-id delivered (at least once, never zero times).
 
 One crashing worker per point, each serving its own copy of tiny-sd15 (tiny-crash-<point>), so
 each job is taken by the worker that crashes on it; the second worker serves all of them and is
-started once every job is taken. Leases of 4 s (tests/fixtures/short_lease_worker.py)."""
+started once every job is taken. Leases of 4 s (KILN_LEASE_S, tests/workers.py short_lease)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from api_client import KilnClient, keys, verify_webhook
-from tests.hookserver import HookServer
-from tests.test_webhooks import SECRET
-from tests.workers import MANIFESTS, Fake, WorkerProcess, wait_until
-from worker.memory.faults import CRASH_POINTS, CRASH_STATUS
+from tests.support.receivers import SECRET, HookServer, targets
+from tests.workers import MANIFESTS, WorkerProcess, short_lease, wait_until
+from worker.crashes import CRASH_POINTS, CRASH_STATUS
 from worker.queue.webhooks import delivery_id
 
 LEASE_S = 4
-SHORT_LEASE = Fake("tests.fixtures.short_lease_worker", {"KILN_TEST_LEASE_S": str(LEASE_S)})
+SHORT_LEASE = short_lease(LEASE_S)
 
 
 def crash_manifests(directory: Path) -> Path:
@@ -63,7 +62,7 @@ def test_every_crash_point_ends_its_job_exactly_once(
         **kiln_env,
         "KILN_MANIFESTS": str(manifests),
         "KILN_TIMINGS_LOG": str(timings),
-        "KILN_WEBHOOKS": json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}),
+        "KILN_WEBHOOKS": targets(hooks.url),
     }
     crashing = {
         point: WorkerProcess(
@@ -71,7 +70,7 @@ def test_every_crash_point_ends_its_job_exactly_once(
             tmp_path / f"crash-{point}.log",
             "--models",
             f"tiny-crash-{point}",
-            fake=SHORT_LEASE,
+            options=SHORT_LEASE,
         )
         for point in CRASH_POINTS
     }
@@ -94,7 +93,7 @@ def test_every_crash_point_ends_its_job_exactly_once(
             )
         every_model = ",".join(f"tiny-crash-{point}" for point in CRASH_POINTS)
         second = WorkerProcess(
-            env, tmp_path / "second.log", "--models", every_model, fake=SHORT_LEASE
+            env, tmp_path / "second.log", "--models", every_model, options=SHORT_LEASE
         )
         for point, worker in crashing.items():
             status = worker.wait(timeout=120)

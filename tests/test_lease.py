@@ -2,7 +2,7 @@
 processes on real Redis: a worker stalled past its lease stops that render and writes nothing
 over the worker that took the job over; a Redis outage longer than a lease re-queues nothing.
 The workers hold LEASE_S leases, half of KilnWorker's 10 s, so the drills' stall and outage are
-halved too (tests/fixtures/gated_worker.py); each job waits at a gate, mid-denoise, until the
+halved too (KILN_HEARTBEAT_S, KILN_SWEEP_S); each job waits at a gate, mid-denoise, until the
 drill is over."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_worker_stalled_past_its_lease_stops_and_writes_nothing(
     gate = Gate(tmp_path / "gate")  # both workers': the job waits at it on either
     workers = [
         WorkerProcess(
-            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=gated(gate, LEASE_S)
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", options=gated(gate, LEASE_S)
         )
         for i in range(2)
     ]
@@ -127,7 +127,7 @@ def test_a_redis_outage_longer_than_a_lease_requeues_no_running_job(
     gate = Gate(tmp_path / "gate")  # each job waits at it, mid-denoise, through the outage
     workers = [
         WorkerProcess(
-            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", fake=gated(gate, LEASE_S)
+            env, tmp_path / f"w{i}.log", "--models", "tiny-sd15", options=gated(gate, LEASE_S)
         )
         for i in range(2)
     ]

@@ -22,10 +22,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 from structlog.testing import capture_logs
 
-from api_client import KilnClient, KilnJob
+from api_client import KilnClient
 from tests.conftest import ROOT
 from tests.fixtures.gate import Gate
-from tests.workers import RedisServer, WorkerProcess, free_port, gated, wait_until
+from tests.support.jobs import denoising
+from tests.workers import Options, RedisServer, WorkerProcess, free_port, gated, wait_until
 from worker.queue.pulse import RedisWatch, WatchedRetry, watch_connection
 
 OUTAGE_S = 4.0
@@ -37,18 +38,10 @@ class SplitWorker(WorkerProcess):
     and neither would parse."""
 
     def __init__(self, env: dict[str, str], directory: Path, *args: str) -> None:
-        self.log, self.err = directory / "stdout.log", directory / "stderr.log"
-        self.name = f"test-worker-{time.monotonic_ns()}"
         self.gate = Gate(directory / "gate")
-        fake = gated(self.gate)
-        with open(self.log, "ab") as out, open(self.err, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", fake.module, "worker", "--name", self.name, *args],
-                env={**env, **fake.env, "KILN_LOG_FORMAT": "json"},
-                cwd=ROOT,
-                stdout=out,
-                stderr=err,
-            )
+        json_logs = Options({"KILN_LOG_FORMAT": "json"})
+        log, errors = directory / "stdout.log", directory / "stderr.log"
+        super().__init__(env, log, *args, options=gated(self.gate) | json_logs, errors=errors)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] + self.err.read_text(errors="replace")
@@ -87,11 +80,6 @@ def not_json(lines: list[tuple[str, str]]) -> list[str]:
         if not isinstance(parsed, dict):
             bad.append(f"{stream}: {line!r}")
     return bad
-
-
-def denoising(job: KilnJob) -> bool:
-    progress = job.progress()
-    return progress is not None and progress.phase == "denoise" and progress.step >= 1
 
 
 def test_every_line_of_a_json_worker_is_json_through_a_warm_shutdown(
@@ -238,26 +226,23 @@ def test_a_worker_whose_redis_is_down_at_start_says_so_before_loading_anything(
     first failed try, before the imports and weights that take seconds, and then retried."""
     env = {**kiln_env, "KILN_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--models", "tiny-sd15", "--burst"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", "--burst")
+
+    def redis_lost() -> dict[str, Any] | None:
+        if worker.proc.poll() is not None:
+            raise AssertionError(
+                f"the worker ended without saying Redis was lost:\n{worker.output()}"
+            )
+        for line in worker.log.read_text(errors="replace").splitlines():
             if line.startswith("{") and json.loads(line).get("event") == "redis_lost":
-                lost = json.loads(line)
-                break
-        else:
-            raise AssertionError("the worker ended without saying Redis was lost")
+                return dict(json.loads(line))
+        return None
+
+    try:
+        lost = wait_until(redis_lost, 60, "the worker to say Redis was lost")
         took = time.monotonic() - started
         assert "Connection refused" in lost["error"] or "Error 111" in lost["error"], lost
-        assert proc.poll() is None  # still retrying, not given up
+        assert worker.proc.poll() is None  # still retrying, not given up
         assert took < 20, took  # an interpreter start and the settings, nothing heavier
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        worker.stop()

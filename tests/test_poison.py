@@ -38,11 +38,11 @@ def test_a_job_that_killed_two_workers_is_quarantined_not_run_a_third_time(
     client = KilnClient(connection=redis_conn, manifests_dir=manifests)
     # Every run of the job waits at this gate, mid-denoise, until its worker is killed there.
     gate = Gate(tmp_path / "gate")
-    fake = gated(gate, lease_s=LEASE_S)
+    options = gated(gate, lease_s=LEASE_S)
     workers = {
         w.name: w
         for w in (
-            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, fake=fake)
+            WorkerProcess(env, tmp_path / f"w{i}.log", "--models", SLOW_MODEL, options=options)
             for i in range(3)
         )
     }

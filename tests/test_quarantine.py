@@ -14,7 +14,7 @@ from rq.utils import now
 
 from api_client import keys
 from tests.helpers import client_for
-from worker.queue import quarantine
+from worker.queue.upkeep import quarantine
 
 REQUEST: dict[str, Any] = {"model": "tiny-sd15", "prompt": "ok", "steps": 2, "seed": 1}
 
@@ -96,3 +96,19 @@ def test_a_job_whose_workers_kept_dying_is_noted_as_a_killer(
     (entry,) = quarantine.entries(redis_conn)
     assert entry.job_id == job.id and entry.queue == queue
     assert entry.reason == "abandoned 4 time(s): its worker died running it (last: w3)"
+
+
+def test_a_quarantined_job_says_so_in_its_status(redis_conn: Redis, settings: Any) -> None:
+    """job.status() is `quarantined` for a record moved aside (GET /v1/jobs/{id}'s status is
+    job.status()); its result and wait() still raise RenderFailed with the reason."""
+    from api_client import RenderFailed
+
+    client = client_for(redis_conn, settings)
+    job = client.submit(REQUEST)
+    assert not job.ended()
+    quarantine.move_aside(redis_conn, job.id, ["status: garbage"])
+    assert job.status() == "quarantined"
+    assert job.ended()
+    with pytest.raises(RenderFailed, match="quarantined: status: garbage") as caught:
+        job.result()
+    assert caught.value.status == "quarantined"

@@ -83,7 +83,7 @@ def test_metrics_endpoint_counts_jobs_and_phases(redis_conn: Redis, make_setting
 
     from prometheus_client import REGISTRY
 
-    from worker.queue.metrics import start_metrics
+    from worker.queue.upkeep.metrics import start_metrics
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

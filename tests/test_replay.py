@@ -5,8 +5,6 @@ pinned to its rung and compile state, and reproduces it pixel for pixel on CPU; 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,10 @@ from redis import Redis
 
 from api_client import RenderFailed, RequestRejected
 from api_client.schema import RenderResult
-from tests.conftest import ROOT, kiln
+from tests.conftest import kiln
 from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.images import pixels
+from tests.workers import WorkerProcess
 from worker.files.details import read_details
 
 MODEL = "tiny-sd15"
@@ -37,22 +37,10 @@ FLUX_JOB = {
 }
 
 
-def pixels(path: str | Path) -> np.ndarray[Any, Any]:
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"))
-
-
 def test_replay_reproduces_images_pixel_for_pixel_through_a_real_worker(
-    kiln_env: dict[str, str], redis_conn: Redis, settings: Any
+    kiln_env: dict[str, str], redis_conn: Redis, settings: Any, tmp_path: Path
 ) -> None:
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--models", f"{MODEL},tiny-flux"],
-        env=kiln_env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = WorkerProcess(kiln_env, tmp_path / "worker.log", "--models", f"{MODEL},tiny-flux")
     try:
         client = client_for(redis_conn, settings)
         for job in (JOB, {**FLUX_JOB, "num_images": 2}):
@@ -78,9 +66,8 @@ def test_replay_reproduces_images_pixel_for_pixel_through_a_real_worker(
                 assert after.sha256 == before.sha256
             assert read_details(Path(last.path or "")).index == len(original.images) - 1
     finally:
-        worker.terminate()
-        out, _ = worker.communicate(timeout=60)
-    assert worker.returncode == 0, out[-3000:]
+        code, out = worker.terminate(timeout=60)
+    assert code == 0, out[-3000:]
 
 
 def test_replay_without_wait_queues_a_pinned_job(

@@ -33,7 +33,7 @@ def test_retyped_keys_are_moved_aside_and_the_worker_goes_on(
     for key in (QUEUE_KEY, keys.MANIFESTS_KEY, keys.FITS_KEY):
         redis_conn.set(key, "not what kiln keeps here")
     gate = Gate(tmp_path / "gate")  # a job of more than 2 steps waits there, running
-    worker = WorkerProcess(kiln_env, tmp_path / "w.log", "--models", MODEL, fake=gated(gate))
+    worker = WorkerProcess(kiln_env, tmp_path / "w.log", "--models", MODEL, options=gated(gate))
     try:
         worker.wait_ready(redis_conn)
         moved = quarantined_keys(kiln_env)

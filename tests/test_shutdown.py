@@ -15,6 +15,7 @@ from rq.registry import StartedJobRegistry
 from api_client import KilnClient, KilnJob, keys
 from tests.fixtures.gate import Gate
 from tests.helpers import records
+from tests.support.jobs import denoising
 from tests.workers import (
     DIES_AFTER_SAVE,
     SLOW_MODEL,
@@ -40,11 +41,6 @@ def client(redis_conn: Redis, slow_dir: Path) -> KilnClient:
     return KilnClient(connection=redis_conn, manifests_dir=slow_dir)
 
 
-def denoising(job: KilnJob, at_least: int = 1) -> bool:
-    progress = job.progress()
-    return progress is not None and progress.phase == "denoise" and progress.step >= at_least
-
-
 def held(gate: Gate, job: KilnJob) -> bool:
     """The job waits at this worker's gate, mid-denoise, and its progress says so."""
     return job.id in gate.held() and denoising(job, gate.at)
@@ -56,9 +52,9 @@ def test_sigkilled_workers_jobs_are_recovered_promptly_and_written_once(
 ) -> None:
     # The long job waits at mid's gate (never opened) until mid is killed.
     gate = Gate(tmp_path / "mid-gate")
-    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, fake=gated(gate))
+    mid = WorkerProcess(env, tmp_path / "mid.log", "--models", SLOW_MODEL, options=gated(gate))
     saver = WorkerProcess(
-        env, tmp_path / "saver.log", "--models", "tiny-sd15", fake=DIES_AFTER_SAVE
+        env, tmp_path / "saver.log", "--models", "tiny-sd15", options=DIES_AFTER_SAVE
     )
     reborn: WorkerProcess | None = None
     try:
@@ -130,7 +126,7 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
     # Each worker holds the job at its gate, mid-denoise, until the signals have landed.
     hurried_gate, patient_gate = Gate(tmp_path / "hurried-gate"), Gate(tmp_path / "patient-gate")
     hurried = WorkerProcess(
-        env, tmp_path / "hurried.log", "--models", SLOW_MODEL, fake=gated(hurried_gate)
+        env, tmp_path / "hurried.log", "--models", SLOW_MODEL, options=gated(hurried_gate)
     )
     patient: WorkerProcess | None = None
     try:
@@ -153,7 +149,7 @@ def test_second_sigterm_requeues_and_first_sigterm_finishes_the_job(
         # 2. One signal: the next worker finishes the re-queued job, then exits 0.
         later = client.submit({"model": SLOW_MODEL, "prompt": "not taken", "steps": 2})
         patient = WorkerProcess(
-            env, tmp_path / "patient.log", "--models", SLOW_MODEL, fake=gated(patient_gate)
+            env, tmp_path / "patient.log", "--models", SLOW_MODEL, options=gated(patient_gate)
         )
         wait_until(
             lambda: held(patient_gate, job), STARTUP_S_AND_LOAD, "the re-queued job at its gate"

@@ -15,9 +15,7 @@ from api_client import KilnClient, RenderFailed
 from tests.fixtures.flaky_s3 import FlakyS3
 from tests.helpers import records
 from tests.s3server import MotoServer
-from tests.workers import Fake, WorkerProcess, wait_until
-
-QUICK_BACKOFF = Fake("tests.fixtures.quick_backoff_worker")
+from tests.workers import QUICK_BACKOFF, WorkerProcess, wait_until
 
 REQUEST = {"model": "tiny-sd15", "prompt": "outage", "steps": 2, "seed": 9}
 
@@ -53,7 +51,7 @@ def running(
         "AWS_ACCESS_KEY_ID": s3["aws_access_key_id"],
         "AWS_SECRET_ACCESS_KEY": s3["aws_secret_access_key"],
     }
-    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", fake=QUICK_BACKOFF)
+    worker = WorkerProcess(env, tmp_path / "w.log", "--models", "tiny-sd15", options=QUICK_BACKOFF)
     try:
         worker.wait_ready(redis_conn)
         yield settings

@@ -15,10 +15,9 @@ from redis import Redis
 from api_client import KilnClient
 from tests.conftest import MANIFESTS
 from tests.helpers import records
-from tests.workers import DIES_AFTER_SAVE, Fake, WorkerProcess, wait_until
+from tests.workers import DIES_AFTER_RESULT, DIES_AFTER_SAVE, WorkerProcess, wait_until
 
 # Dies the instant result.json is on disk, before the job's end is committed.
-DIES_AFTER_RESULT = Fake("tests.fixtures.dies_after_result_worker")
 # DIES_AFTER_SAVE dies as it commits the job's end (LeaseKeeper.finish).
 
 REQUEST = {"prompt": "a fox", "steps": 2, "seed": 3}
@@ -33,10 +32,10 @@ def test_a_job_answered_from_the_store_has_exactly_one_record(
 ) -> None:
     client = KilnClient(connection=redis_conn, manifests_dir=MANIFESTS)
     early = WorkerProcess(
-        kiln_env, tmp_path / "early.log", "--models", "tiny-sd15", fake=DIES_AFTER_RESULT
+        kiln_env, tmp_path / "early.log", "--models", "tiny-sd15", options=DIES_AFTER_RESULT
     )
     late = WorkerProcess(
-        kiln_env, tmp_path / "late.log", "--models", "tiny-sdxl", fake=DIES_AFTER_SAVE
+        kiln_env, tmp_path / "late.log", "--models", "tiny-sdxl", options=DIES_AFTER_SAVE
     )
     rescuer = None
     try:

@@ -33,10 +33,11 @@ def state_of(conn: Redis, worker: WorkerProcess) -> str:
     return WorkerState.model_validate_json(raw).state if raw else ""
 
 
-def test_a_suspended_claimer_reads_the_key_on_every_claim(redis_conn: Redis) -> None:
-    """The key is read at most once a second while the fleet runs, but a claimer that found it
-    suspended reads it on each claim: one woken by a job's event within that second took the job
-    (it failed CI: `finished` where `queued` was asserted)."""
+def test_every_claim_reads_the_suspension_key(redis_conn: Redis) -> None:
+    """`rq suspend` holds from the moment it returns: the claim script reads the key on every
+    claim. (It read it at most once a second, so a job submitted right after a suspend could
+    start; a claimer that found it suspended still took a job woken by its event within that
+    second: it failed CI, `finished` where `queued` was asserted.)"""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
@@ -45,11 +46,13 @@ def test_a_suspended_claimer_reads_the_key_on_every_claim(redis_conn: Redis) -> 
         for name in keys.lane_queues("tiny-sd15")
     ]
     claimer = Claimer(redis_conn, "w1", lease_ttl_s=60)
+    assert claimer.claim(queues, "e0", time.monotonic()) is None  # nothing queued, not suspended
+    assert not claimer.suspended
     redis_conn.set("rq:suspended", 1)
     assert claimer.claim(queues, "e1", time.monotonic()) is None
     assert claimer.suspended
     job_id = enqueue_raw(redis_conn, "tiny-sd15", {"request": REQUEST})
-    for n in range(3):  # at once, within the second in which a running worker reads it once
+    for n in range(3):  # at once, as a worker woken by the job's event claims
         assert claimer.claim(queues, f"e{n + 2}", time.monotonic()) is None
     assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"queued"
     redis_conn.delete("rq:suspended")
@@ -64,7 +67,7 @@ def test_rq_suspend_holds_a_live_worker_and_rq_resume_lets_it_go_on(
     url = kiln_env["KILN_REDIS_URL"]
     gate = Gate(tmp_path / "gate")  # the first job waits mid-denoise while the suspend arrives
     worker = WorkerProcess(
-        kiln_env, tmp_path / "worker.log", "--models", "tiny-sd15", fake=gated(gate)
+        kiln_env, tmp_path / "worker.log", "--models", "tiny-sd15", options=gated(gate)
     )
     client = KilnClient(connection=redis_conn, manifests_dir=MANIFESTS)
     try:

@@ -26,7 +26,7 @@ def test_top_once_shows_two_workers_and_two_queues(
 ) -> None:
     # The sd15 worker's long job waits at a gate (never opened), mid-denoise when top looks.
     gate = Gate(tmp_path / "gate")
-    slow = WorkerProcess(kiln_env, tmp_path / "a.log", "--models", "tiny-sd15", fake=gated(gate))
+    slow = WorkerProcess(kiln_env, tmp_path / "a.log", "--models", "tiny-sd15", options=gated(gate))
     quick = WorkerProcess(kiln_env, tmp_path / "b.log", "--models", "tiny-sdxl")
     client = KilnClient(connection=redis_conn, manifests_dir=ROOT / "manifests")
     try:

@@ -30,25 +30,23 @@ from api_client.webhooks import (
     verify_webhook,
     webhook_target,
 )
-from tests.fixtures.hung_receiver import HungReceiver
-from tests.fixtures.malformed_receiver import MalformedReceiver
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer
-from tests.hookserver import HookServer
+from tests.support.receivers import (
+    SECRET,
+    HookServer,
+    HungReceiver,
+    MalformedReceiver,
+    job_event,
+    published,
+    sender,
+    targets,
+)
 from tests.workers import free_port, wait_until
 from worker.queue.webhooks import TIMEOUT_S, Dispatcher, delivery_id
 from worker.settings import WebhooksInvalid, WebhookTarget, parse_targets
 
-SECRET = "whsec_" + base64.b64encode(b"receiver-secret-0123456789abcdef").decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"another-secret-0123456789abcdef!").decode()
 REQUEST = {"model": "tiny-sd15", "prompt": "a kite", "steps": 2, "seed": 1}
-
-
-def _event(job_id: str = "job-1") -> JobEvent:
-    return JobEvent(kind="failed", job_id=job_id, model="tiny-sd15", at=time.time(), error="boom")
-
-
-def _dispatcher(conn: Redis, url: str, **options: Any) -> Dispatcher:
-    return Dispatcher({"studio": WebhookTarget(url=url, secret=SECRET)}, conn, **options)
 
 
 def _send(conn: Redis, dispatcher: Dispatcher, event: JobEvent, target: str = "studio") -> str:
@@ -65,9 +63,9 @@ def _failed_tries(caplog: pytest.LogCaptureFixture, reason: str) -> int:
 def test_a_delivery_verifies_with_standardwebhooks_and_kilns_helper(redis_conn: Redis) -> None:
     hooks = HookServer()
     hooks.start()
-    dispatcher = _dispatcher(redis_conn, hooks.url)
+    dispatcher = sender(redis_conn, hooks.url)
     try:
-        sent = _send(redis_conn, dispatcher, _event())
+        sent = _send(redis_conn, dispatcher, job_event())
         [delivery] = hooks.wait_for(1)
     finally:
         dispatcher.close()
@@ -104,7 +102,7 @@ def test_a_delivery_verifies_with_standardwebhooks_and_kilns_helper(redis_conn: 
 
 def test_kilns_helper_accepts_what_the_stock_library_signs() -> None:
     # A signature list as a rotating sender makes it: an unknown version, then v1.
-    body = _event("job-lib").model_dump_json().encode()
+    body = job_event("job-lib").model_dump_json().encode()
     now = int(time.time())
     when = datetime.fromtimestamp(now, tz=timezone.utc)
     signed = Webhook(SECRET).sign("msg_1", when, body.decode())
@@ -123,10 +121,10 @@ def test_a_receiver_down_for_a_while_still_gets_the_delivery_once(
     caplog.set_level(logging.WARNING, logger="worker.queue.webhooks")
     port = free_port()
     hooks = HookServer(port=port)
-    dispatcher = _dispatcher(redis_conn, hooks.url, retries=(0.2,) * 20)
+    dispatcher = sender(redis_conn, hooks.url, retries=(0.2,) * 20)
     try:
         started = time.monotonic()
-        sent = _send(redis_conn, dispatcher, _event("job-down"))
+        sent = _send(redis_conn, dispatcher, job_event("job-down"))
         assert time.monotonic() - started < 0.05  # written, not sent inline
         wait_until(lambda: _failed_tries(caplog, "refused") >= 2, 15, "two refused tries")
         assert hooks.received == [] and dispatcher.pending() == 1
@@ -154,10 +152,10 @@ def test_a_hung_receiver_delays_only_its_own_target(redis_conn: Redis) -> None:
     )
     try:
         for n in range(3):
-            _send(redis_conn, dispatcher, _event(f"job-stuck-{n}"), "stuck")
+            _send(redis_conn, dispatcher, job_event(f"job-stuck-{n}"), "stuck")
         wait_until(lambda: hung.requests == 1, 10, "the hung receiver to hold a request")
         started = time.monotonic()
-        _send(redis_conn, dispatcher, _event("job-studio"))
+        _send(redis_conn, dispatcher, job_event("job-studio"))
         [delivery] = hooks.wait_for(1, timeout=TIMEOUT_S / 2)
         took = time.monotonic() - started
         # Still hanging: its first try has not timed out and the other two wait behind it.
@@ -179,14 +177,14 @@ def test_a_malformed_answer_is_retried_and_the_sender_lives_on(
     malformed = MalformedReceiver()
     malformed.start()
     hooks = HookServer(port=malformed.port)  # the receiver fixed later, at the same address
-    dispatcher = _dispatcher(redis_conn, malformed.url, retries=(0.1,) * 50)
+    dispatcher = sender(redis_conn, malformed.url, retries=(0.1,) * 50)
     try:
-        _send(redis_conn, dispatcher, _event("job-first"))
+        _send(redis_conn, dispatcher, job_event("job-first"))
         wait_until(lambda: _failed_tries(caplog, "BadStatusLine") >= 2, 15, "two malformed answers")
         malformed.stop()
         hooks.start()
         hooks.wait_for(1, timeout=15)  # the same delivery, by the same sender thread
-        _send(redis_conn, dispatcher, _event("job-later"))
+        _send(redis_conn, dispatcher, job_event("job-later"))
         deliveries = hooks.wait_for(2, timeout=15)
     finally:
         dispatcher.close()
@@ -199,10 +197,8 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
     hooks = HookServer()
     hooks.answering.clear()  # the receiver takes each request and sits on it
     hooks.start()
-    settings = make_settings(webhooks=json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}))
-    client = client_for(redis_conn, settings)
-    renderer = make_renderer(settings, ["tiny-sd15"])
-    burst(redis_conn, renderer, ["tiny-sd15"])  # publishes the target name
+    settings = make_settings(webhooks=targets(hooks.url))
+    client, renderer = published(redis_conn, settings)
     first = client.submit({**REQUEST, "webhook": "studio"})
     second = client.submit({**REQUEST, "webhook": "studio", "seed": 2})
     from tests.helpers import make_worker
@@ -231,9 +227,7 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
 def test_unknown_targets_are_rejected_at_submit_and_by_the_worker(
     redis_conn: Redis, make_settings: Any
 ) -> None:
-    settings = make_settings(
-        webhooks=json.dumps({"studio": {"url": "http://127.0.0.1:9/x", "secret": SECRET}})
-    )
+    settings = make_settings(webhooks=targets("http://127.0.0.1:9/x"))
     client = client_for(redis_conn, settings)
     with pytest.raises(RequestRejected, match=r"webhook='studio': unknown webhook target; .* none"):
         client.submit({**REQUEST, "webhook": "studio"})  # no worker has published it yet
@@ -314,7 +308,7 @@ def test_an_outbox_entry_is_written_once_and_delivered_by_a_worker_that_knows_it
     )
     hooks = HookServer()
     hooks.start()
-    dispatcher = _dispatcher(redis_conn, hooks.url)
+    dispatcher = sender(redis_conn, hooks.url)
     try:
         dispatcher.start()
         [delivery] = hooks.wait_for(1)
@@ -333,14 +327,14 @@ def test_several_workers_share_each_targets_outbox_and_leave_other_targets(
     count = 60
     with redis_conn.pipeline(transaction=False) as pipe:
         for n in range(count):
-            queue_webhook(pipe, "studio", _event(f"job-{n}"))
+            queue_webhook(pipe, "studio", job_event(f"job-{n}"))
         pipe.execute()
-    queue_webhook(redis_conn, "elsewhere", _event("job-elsewhere"))
+    queue_webhook(redis_conn, "elsewhere", job_event("job-elsewhere"))
     redis_conn.hset(outbox_key("studio", "entries"), "forged", b"not an entry")
     redis_conn.zadd(outbox_key("studio", "due"), {"forged": 0})
     hooks = HookServer()
     hooks.start()
-    workers = [_dispatcher(redis_conn, hooks.url) for _ in range(3)]
+    workers = [sender(redis_conn, hooks.url) for _ in range(3)]
     try:
         for worker in workers:
             worker.start()
@@ -367,14 +361,14 @@ def test_every_job_end_outside_a_render_lands_in_the_outbox_and_survives_its_sen
     worker that takes one and dies before it sends (crash@webhook) loses none: a second worker
     delivers all three, the taken one once its lease lapses, with the same webhook-id."""
     from api_client import KilnClient, keys
-    from tests.workers import Fake, WorkerProcess
-    from worker.memory.faults import CRASH_STATUS
+    from tests.workers import QUICK_WEBHOOK_LEASE, Options, WorkerProcess
+    from worker.crashes import CRASH_STATUS
 
     hooks = HookServer()
     hooks.start()
     env = {
         **kiln_env,
-        "KILN_WEBHOOKS": json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}),
+        "KILN_WEBHOOKS": targets(hooks.url),
     }
     redis_conn.sadd(keys.WEBHOOK_TARGETS_KEY, "studio")
     client = KilnClient(connection=redis_conn)
@@ -391,8 +385,8 @@ def test_every_job_end_outside_a_render_lands_in_the_outbox_and_survives_its_sen
     # Quarantined: a record kiln cannot read, on the queue.
     broken = enqueue_raw(redis_conn, "tiny-sd15", {"request": {**REQUEST, "webhook": "studio"}})
     redis_conn.hset(f"rq:job:{broken}", "timeout", "soon")
-    quick = Fake("tests.fixtures.quick_lease_webhook_worker", {"KILN_FAULTS": "crash@webhook"})
-    first = WorkerProcess(env, tmp_path / "first.log", "--models", "tiny-sd15", fake=quick)
+    quick = QUICK_WEBHOOK_LEASE | Options({"KILN_FAULTS": "crash@webhook"})
+    first = WorkerProcess(env, tmp_path / "first.log", "--models", "tiny-sd15", options=quick)
     second = None
     try:
         assert first.wait(timeout=90) == CRASH_STATUS, first.output()

@@ -24,24 +24,53 @@ from tests.fixtures.pacing import pacing
 SLOW_MODEL = "tiny-slow"
 
 
-@dataclass(frozen=True)
-class Fake:
-    """A worker launcher under tests/fixtures/ that installs one fake, and its parameters."""
+LAUNCHER = "tests.fixtures.kiln_worker"  # the one launcher of a faked `kiln worker`
 
-    module: str  # e.g. "tests.fixtures.gated_worker"
+
+@dataclass(frozen=True)
+class Options:
+    """How a `kiln worker` under test differs from the real one: KILN_* settings (a short lease,
+    quick backoffs) and test fakes (a gate, paced steps, a death), all as its environment. With
+    a fake it runs through tests/fixtures/kiln_worker.py, which reads them; without, as
+    `python -m worker.cli`."""
+
     env: dict[str, str] = field(default_factory=dict)
 
+    def __or__(self, other: Options) -> Options:
+        return Options({**self.env, **other.env})
 
-DIES_AFTER_SAVE = Fake("tests.fixtures.dies_after_save_worker")
+    @property
+    def module(self) -> str:
+        return LAUNCHER if any(k.startswith("KILN_TEST_") for k in self.env) else "worker.cli"
 
 
-def gated(gate: Gate, lease_s: int | None = None) -> Fake:
+def short_lease(lease_s: int) -> Options:
+    """A lease of lease_s seconds in place of 10, heartbeat and sweep at a quarter of it: a test
+    that waits for a lapsed lease waits seconds, not tens of them, on the same code."""
+    beat = str(lease_s / 4)
+    return Options({"KILN_LEASE_S": str(lease_s), "KILN_HEARTBEAT_S": beat, "KILN_SWEEP_S": beat})
+
+
+def gated(gate: Gate, lease_s: int | None = None) -> Options:
     """A worker whose jobs wait at this gate (tests/fixtures/gate.py) until the test opens it;
-    lease_s: its lease, in place of KilnWorker's 10 s (tests/fixtures/gated_worker.py)."""
-    env = dict(gate.env)
-    if lease_s is not None:
-        env["KILN_TEST_LEASE_S"] = str(lease_s)
-    return Fake("tests.fixtures.gated_worker", env)
+    lease_s: its lease, in place of 10 s (short_lease)."""
+    options = Options(dict(gate.env))
+    return options if lease_s is None else options | short_lease(lease_s)
+
+
+def paced(seconds: float) -> Options:
+    """Denoise steps that each also sleep this long (tests/fixtures/pacing.py)."""
+    return Options({"KILN_TEST_PACE_S": str(seconds)})
+
+
+# SIGKILLed the instant a job's files are written, before it could tell Redis it finished.
+DIES_AFTER_SAVE = Options({"KILN_TEST_DIES_AFTER": "save"})
+# SIGKILLed the instant a job's result.json is written, before its timing record.
+DIES_AFTER_RESULT = Options({"KILN_TEST_DIES_AFTER": "result"})
+# A store outage's backoff 1 s twice instead of 10, 30 and 90 s.
+QUICK_BACKOFF = Options({"KILN_STORE_BACKOFF_S": "1,1"})
+# Webhook senders take a delivery under a 1 s lease instead of 60 s.
+QUICK_WEBHOOK_LEASE = Options({"KILN_WEBHOOK_LEASE_S": "1"})
 
 
 def pace_here(monkeypatch: Any, seconds: float) -> None:
@@ -90,21 +119,28 @@ def free_port() -> int:
 
 
 class WorkerProcess:
-    """`python -m worker.cli worker` in its own process, output kept in a log file."""
+    """`kiln worker` in its own process (with these options), output kept in a log file;
+    errors: stderr in a file of its own (merged, a line of one could land inside the other)."""
 
     def __init__(
-        self, env: dict[str, str], log: Path, *args: str, fake: Fake | None = None
+        self,
+        env: dict[str, str],
+        log: Path,
+        *args: str,
+        options: Options | None = None,
+        errors: Path | None = None,
     ) -> None:
         self.log = log
+        self.err = errors
         self.name = f"test-worker-{os.getpid()}-{time.monotonic_ns()}"
-        module = fake.module if fake else "worker.cli"
-        with open(log, "ab") as out:
+        options = options or Options()
+        with open(log, "ab") as out, open(errors or os.devnull, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, "worker", "--name", self.name, *args],
-                env={**env, **(fake.env if fake else {})},
+                [sys.executable, "-m", options.module, "worker", "--name", self.name, *args],
+                env={**env, **options.env},
                 cwd=ROOT,
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=err if errors else subprocess.STDOUT,
             )
 
     def wait_ready(self, conn: Redis, timeout: float = STARTUP_S) -> None:
@@ -124,7 +160,17 @@ class WorkerProcess:
         return self.proc.wait(timeout=timeout)
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
+        """The end of its output (stderr's too, when apart)."""
+        errors = self.err.read_text(errors="replace") if self.err else ""
+        return self.log.read_text(errors="replace")[-6000:] + errors[-6000:]
+
+    def terminate(self, timeout: float = 60) -> tuple[int, str]:
+        """SIGTERM (a warm shutdown: the job it holds finishes), then its exit status and its
+        whole stdout."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        code = self.proc.wait(timeout=timeout)
+        return code, self.log.read_text(errors="replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -19,6 +19,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -152,6 +153,32 @@ class Settings(BaseSettings):
         None, ge=1, le=65535, description="Prometheus /metrics port; unset = off"
     )
     job_timeout_s: int = Field(600, ge=1, description="A job running longer is failed")
+    # The lease, its heartbeat and the sweep: a killed worker's job runs again within about
+    # lease_s + sweep_s (15 s by default; the contract promises 20). Tests shorten them.
+    lease_s: int = Field(
+        10,
+        ge=2,
+        le=3600,
+        description="A running job's lease lapses this long after its last push; then the"
+        " sweep puts the job back on its queue",
+    )
+    heartbeat_s: float = Field(
+        3.0, gt=0, description="How often a worker pushes its running job's lease (below lease_s)"
+    )
+    sweep_s: float = Field(
+        5.0, gt=0, description="How often a worker looks for jobs whose lease lapsed"
+    )
+    store_backoff_s: Annotated[tuple[float, ...], NoDecode] = Field(
+        (10, 30, 90),
+        description="Seconds before each retry of a job the store could not take (S3 5xx, a"
+        " refused connection), comma separated; after the last the job fails naming the cause",
+    )
+    webhook_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="A webhook sender holds a delivery this long; one taken by a worker that"
+        " died goes to another sender after it",
+    )
     events_retention_s: int = Field(
         86400,
         ge=60,
@@ -208,7 +235,7 @@ class Settings(BaseSettings):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
-    @field_validator("webhook_retries", mode="before")
+    @field_validator("webhook_retries", "store_backoff_s", mode="before")
     @classmethod
     def _retry_schedule(cls, value: object) -> object:
         if isinstance(value, str):
@@ -219,6 +246,15 @@ class Settings(BaseSettings):
         if isinstance(value, tuple) and any(not 0 <= s < 10**7 for s in value):
             raise ValueError(f"each delay must be 0 to 10**7 seconds, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> Settings:
+        if self.heartbeat_s >= self.lease_s:
+            raise ValueError(
+                f"KILN_HEARTBEAT_S ({self.heartbeat_s}) must be below KILN_LEASE_S"
+                f" ({self.lease_s}): a lease pushed less often than it lasts lapses under its job"
+            )
+        return self
 
     @property
     def store_location(self) -> str:

@@ -1,4 +1,7 @@
-"""The worker process on RQ: claim, lease, sweep, events, quarantine, webhooks, metrics.
+"""The worker process on RQ. Here, a job's path: worker (the loop and a job's five steps),
+memory_gate, lanes, claim, lease, job, execution, events, and build (the worker from its parts);
+in upkeep/, what runs by the clock or out of band beside it (pulse, sweep, repair, keytypes,
+quarantine, publisher, webhooks, metrics, backlog).
 
 `worker.queue.render_job` is the function every kiln job names (api_client.schema.RENDER_FUNC),
 so queued records and RQ's readers keep resolving it. A kiln worker never calls it: RenderJob

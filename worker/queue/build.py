@@ -10,11 +10,11 @@ from rq.serializers import JSONSerializer
 
 from api_client import keys
 from worker.queue import events as job_events
-from worker.queue import keytypes, quarantine
 from worker.queue.job import RenderJob
 from worker.queue.lanes import LaneOrder, worker_queues
-from worker.queue.publisher import RecordPublisher, announce
-from worker.queue.webhooks import Dispatcher
+from worker.queue.upkeep import keytypes, quarantine
+from worker.queue.upkeep.publisher import RecordPublisher, announce
+from worker.queue.upkeep.webhooks import Dispatcher
 from worker.queue.worker import KilnWorker
 from worker.render.renderer import Renderer
 

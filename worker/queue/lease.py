@@ -2,7 +2,7 @@
 (worker/queue/claim.py), pushed and confirmed, and the finish written only while it holds. The
 Redis commands themselves are worker/queue/execution.py's; KilnWorker (worker/queue/worker.py)
 owns one LeaseKeeper and calls it from a job's steps 2 and 4, the Pulse thread pushes its lease.
-Jobs that lose their worker are the Sweeper's (worker/queue/sweep.py).
+Jobs that lose their worker are the Sweeper's (worker/queue/upkeep/sweep.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ from datetime import timedelta
 from typing import Literal
 
 from redis import Redis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry as RedisRetry
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job
@@ -30,36 +26,25 @@ from api_client import keys
 from api_client.connection import connect
 from api_client.enqueue import QUEUED_TTL_S, running_ttl_s
 from worker.errors import StoreUnavailable
-from worker.queue import execution, quarantine
+from worker.queue import execution
 from worker.queue.claim import Claimed
 from worker.queue.execution import STREAM_REFRESH_AFTER_S, Finisher
 from worker.queue.job import LEASE_LOST, record_error
-from worker.queue.pulse import REDIS_ERRORS, Outages
-from worker.queue.repair import KeyRepair
+from worker.queue.upkeep import quarantine
+from worker.queue.upkeep.pulse import REDIS_ERRORS, Outages
+from worker.queue.upkeep.repair import KeyRepair
 
 log = logging.getLogger(__name__)
 Outcome = Literal["finished", "failed", "lost", "retried"]
-# A store outage (S3 5xx, a refused connection) puts the job back for later this many times,
-# after these many seconds, before it fails naming the cause (LeaseKeeper.retry_later).
-STORE_BACKOFF_S = (10, 30, 90)
 # A lease pushed less than (its TTL - this) ago cannot have been swept, even by a worker whose
 # clock runs this much ahead: no Redis round trip is needed to know it holds.
 LEASE_MARGIN_S = 5.0
 
 
 def worker_connection(url: str) -> Redis:
-    """A connection that rides out a Redis restart: each command retries for about a minute.
-
-    redis-py's default (10 quick retries) gives up within seconds, and RQ's work loop quits on
-    the first error it does not expect, so a restart would otherwise take the worker down.
-    """
-    retry = RedisRetry(ExponentialBackoff(cap=2.0, base=0.1), retries=35)
-    return connect(
-        url,
-        retry=retry,
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=10,
-    )
+    """The worker's connection: each command retries for about a minute, riding out a Redis
+    restart or a failover (api_client/connection.py, the one place connections come from)."""
+    return connect(url, ride_out_restarts=True)
 
 
 class LeaseKeeper:
@@ -79,6 +64,7 @@ class LeaseKeeper:
         cancelled: threading.Event,
         outages: Outages,
         repair: KeyRepair,
+        store_backoff_s: tuple[float, ...],
     ) -> None:
         self.connection = connection
         self.worker_name = worker_name
@@ -87,6 +73,9 @@ class LeaseKeeper:
         self.lost = threading.Event()  # the running job's lease found lapsed and taken
         self.outages = outages
         self.repair = repair
+        # A store outage (S3 5xx, a refused connection) puts the job back for later this many
+        # times, after these many seconds, before it fails naming the cause (KILN_STORE_BACKOFF_S).
+        self.store_backoff_s = store_backoff_s
         self.running: Job | None = None  # pushed by the Pulse while set
         self.execution: Execution | None = None
         self.lock = threading.Lock()  # running and execution, between the job and the Pulse
@@ -131,16 +120,16 @@ class LeaseKeeper:
         exc: StoreUnavailable,
         cleanup: Callable[..., None],
     ) -> bool:
-        """A store outage that may heal: the job goes back for later, after STORE_BACKOFF_S[n]
+        """A store outage that may heal: the job goes back for later, after store_backoff_s[n]
         seconds for its n-th time (the sweep moves it to the front of its queue then); False
         once it has had them all, and it fails naming the cause. cleanup: the worker's
         cleanup_execution, on the same pipeline."""
         tries = int(job.meta.get("store_retries") or 0)
-        if tries >= len(STORE_BACKOFF_S):
+        if tries >= len(self.store_backoff_s):
             message = f"the store stayed unavailable through {tries} retries: {exc.cause}"
             record_error(job, "StoreUnavailable", message)
             return False
-        delay = STORE_BACKOFF_S[tries]
+        delay = self.store_backoff_s[tries]
         job.meta["store_retries"] = tries + 1
         with self.connection.pipeline() as pipe:
             cleanup(job, pipeline=pipe)
@@ -152,7 +141,7 @@ class LeaseKeeper:
             job.id,
             exc.cause,
             tries + 1,
-            len(STORE_BACKOFF_S),
+            len(self.store_backoff_s),
             delay,
         )
         return True

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from worker.queue import metrics
+from worker.queue.upkeep import metrics
 
 log = logging.getLogger(__name__)
 MEMORY_POLL_S = 1.0  # how often a worker waiting for memory looks again

@@ -55,6 +55,7 @@ from rq.worker_registration import clean_worker_registry
 
 from api_client import keys
 from api_client.errors import short
+from worker.crashes import crash_point
 from worker.errors import (
     FatalWorkerError,
     JobDeadlineExceeded,
@@ -63,24 +64,23 @@ from worker.errors import (
     ShutdownStop,
     StoreUnavailable,
 )
-from worker.memory.faults import crash_point
-from worker.queue import quarantine
 from worker.queue.claim import Claimed, Claimer
 from worker.queue.job import LEASE_LOST, RenderJob, RQJobContext, TimeoutPenalty, record_error
 from worker.queue.lanes import LaneOrder
 from worker.queue.lease import LeaseKeeper, Outcome
 from worker.queue.memory_gate import MemoryGate
-from worker.queue.publisher import (
+from worker.queue.upkeep import quarantine
+from worker.queue.upkeep.publisher import (
     STATE_INTERVAL_S,
     RecordPublisher,
     Snapshot,
     StatePublisher,
     state_name,
 )
-from worker.queue.pulse import REDIS_ERRORS, Beats, Outages, Pulse, watch_connection
-from worker.queue.repair import KeyRepair
-from worker.queue.sweep import Sweeper
-from worker.queue.webhooks import Dispatcher, queue_failure_delivery
+from worker.queue.upkeep.pulse import REDIS_ERRORS, Beats, Outages, Pulse, watch_connection
+from worker.queue.upkeep.repair import KeyRepair
+from worker.queue.upkeep.sweep import Sweeper
+from worker.queue.upkeep.webhooks import Dispatcher, queue_failure_delivery
 from worker.render.renderer import Renderer
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,6 @@ class KilnWorker(SimpleWorker):
 
     job_class = RenderJob
     death_penalty_class = TimeoutPenalty
-    heartbeat_interval_s = 3.0
-    heartbeat_ttl_s = 10
-    sweep_interval_s = 5.0  # a killed worker's job is back on its queue within about 15 s
     state_interval_s = STATE_INTERVAL_S
     # Reconnect quickly after a Redis restart instead of RQ's backoff up to a minute.
     max_connection_wait_time = 5.0
@@ -125,6 +122,9 @@ class KilnWorker(SimpleWorker):
         # worker_ttl 20 makes RQ's blocking dequeue wake every 5 s, so an idle worker notices a
         # shutdown request promptly without the signal handler interrupting a dequeue half done.
         kwargs.setdefault("worker_ttl", 20)
+        timing = renderer.settings  # KILN_LEASE_S, KILN_HEARTBEAT_S, KILN_SWEEP_S
+        self.heartbeat_ttl_s, self.heartbeat_interval_s = timing.lease_s, timing.heartbeat_s
+        self.sweep_interval_s = timing.sweep_s
         self.cancelled = threading.Event()  # a stop-job command, or the job's stop key found
         # Set by a second SIGTERM/SIGINT: the running job stops at its next step and is re-queued.
         self.shutdown_now = threading.Event()
@@ -142,6 +142,7 @@ class KilnWorker(SimpleWorker):
             cancelled=self.cancelled,
             outages=self.outages,
             repair=self.repair,
+            store_backoff_s=timing.store_backoff_s,
         )
         super().__init__(queues, connection=connection, name=name, **kwargs)
         self.renderer = renderer

@@ -1,5 +1,5 @@
 """Jobs that lost their worker, found by any worker of their queues: the Pulse thread's sweep
-(every KilnWorker.sweep_interval_s) re-queues jobs whose lease lapsed (RQ's registry clean-up,
+(every KILN_SWEEP_S) re-queues jobs whose lease lapsed (RQ's registry clean-up,
 which counts each death and fails a poison job, worker/queue/job.py) and moves jobs put back
 for later (a store outage's backoff) to the front of their queue when their time has come.
 
@@ -30,11 +30,12 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.utils import current_timestamp
 
-from worker.queue import execution, quarantine
+from worker.queue import execution
 from worker.queue.claim import EXECUTION_FIELD
 from worker.queue.job import RenderJob
-from worker.queue.pulse import Outages
-from worker.queue.repair import KeyRepair
+from worker.queue.upkeep import quarantine
+from worker.queue.upkeep.pulse import Outages
+from worker.queue.upkeep.repair import KeyRepair
 
 log = logging.getLogger(__name__)
 

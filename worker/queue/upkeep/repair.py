@@ -1,7 +1,7 @@
 """Keys a client overwrote with another type (a queue made a string, a job hash a list): the
-worker's own keys and a job's are moved aside into the quarantine (worker/queue/quarantine.py),
-and the call that met one is sent once more. Shared by the worker's dequeue, its lease keeper,
-its sweeper and its state publisher."""
+worker's own keys and a job's are moved aside into the quarantine (upkeep/quarantine.py), and
+the call that met one is sent once more. Shared by the worker's dequeue, its lease keeper, its
+sweeper and its state publisher."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import ResponseError
 
-from worker.queue import keytypes, quarantine
+from worker.queue.upkeep import keytypes, quarantine
 
 
 class KeyRepair:
@@ -25,7 +25,7 @@ class KeyRepair:
 
     def repair(self, job_id: str | None = None) -> list[str]:
         """Move aside this worker's keys (and job_id's) that a client overwrote with another
-        type (worker/queue/keytypes.py); the keys moved."""
+        type (worker/queue/upkeep/keytypes.py); the keys moved."""
         expected = keytypes.shared(self.queue_names, self.worker_key)
         if job_id is not None:
             expected |= keytypes.of_job(job_id)
