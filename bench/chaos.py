@@ -113,11 +113,11 @@ def _build_models(directory: Path) -> Path:
 
 
 def worker_timings() -> dict[str, float]:
-    """The lease and sweep as the worker has them (KilnWorker's class attributes), read in a
-    child so this process never imports torch."""
+    """The lease and sweep as the worker has them (the settings: KILN_LEASE_S, KILN_SWEEP_S),
+    read in a child so this process never imports torch."""
     code = (
-        "import json; from worker.queue.worker import KilnWorker as W; print(json.dumps("
-        "{'ttl': W.heartbeat_ttl_s, 'sweep': W.sweep_interval_s}))"
+        "import json; from worker.settings import Settings; s = Settings();"
+        " print(json.dumps({'ttl': s.lease_s, 'sweep': s.sweep_s}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True

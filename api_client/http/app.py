@@ -25,13 +25,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api_client.client import KilnClient
+from api_client.connection import connect_async
 from api_client.errors import Problem, RequestRejected, UnknownJob, short
 from api_client.http import openai, options, routes
 from api_client.http.asgi import echo, text
 from api_client.http.auth import COOKIE, caller
 from api_client.http.body import MAX_PROBLEMS
 from api_client.http.guard import Guard
-from api_client.http.hub import EventHub, connect_async
+from api_client.http.hub import EventHub
 from api_client.http.quotas import OverQuota, Quotas
 from api_client.http.sessions import Sessions
 from api_client.http.settings import ApiSettings
@@ -73,8 +74,8 @@ def create_app(settings: ApiSettings, client: KilnClient | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = connect_async(settings.redis_url, max_connections=HUB_POOL)
-        reader = connect_async(settings.redis_url, max_connections=1, socket_timeout=None)
+        pool = connect_async(settings.redis_url, pool_size=HUB_POOL)
+        reader = connect_async(settings.redis_url, pool_size=1, socket_timeout=None)
         app.state.hub = EventHub(pool, reader)
         app.state.hub.start()
         try:

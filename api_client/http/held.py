@@ -11,7 +11,6 @@ from fastapi.concurrency import run_in_threadpool
 
 from api_client import keys
 from api_client.client import KilnClient
-from api_client.errors import RenderFailed, UnknownJob
 from api_client.http.hub import EventHub
 from api_client.schema import JobEvent, RenderResult
 
@@ -53,7 +52,4 @@ async def result(request: Request, job_id: str) -> RenderResult:
 
 
 def _ended_silently(client: KilnClient, job_id: str) -> bool:
-    try:
-        return client.job(job_id).status() in ("finished", "failed", "stopped", "canceled")
-    except (UnknownJob, RenderFailed):
-        return True
+    return client.job(job_id).ended()

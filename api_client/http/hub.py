@@ -31,29 +31,6 @@ RANGE_COUNT = 500  # entries per catch-up read (a job's stream is capped well be
 QUEUE_MAX = 1000  # events buffered for one slow watcher before it is cut off
 
 
-def connect_async(url: str, max_connections: int, **options: Any) -> Redis:
-    """An asyncio Redis client for url (Sentinel URLs included, as api_client.connection reads
-    them) whose pool never holds more than max_connections: a burst of watchers waits for a
-    connection rather than opening one each."""
-    from redis.asyncio import BlockingConnectionPool
-    from redis.asyncio import Redis as AsyncRedis
-
-    from api_client.connection import SENTINEL_SCHEMES, parse_sentinel_url
-
-    if not url.startswith(SENTINEL_SCHEMES):
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=10, **options
-        )
-        return AsyncRedis(connection_pool=pool)
-    from redis.asyncio.sentinel import Sentinel
-
-    service, db, hosts, auth, sentinel_auth = parse_sentinel_url(url)
-    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_auth)  # type: ignore[no-untyped-call]
-    extra: dict[str, Any] = {**auth, **options}
-    client: Redis = sentinel.master_for(service, db=db, max_connections=max_connections, **extra)
-    return client
-
-
 def stream_id(entry_id: str) -> tuple[int, int]:
     millis, _, seq = entry_id.partition("-")
     return int(millis), int(seq or 0)

@@ -508,10 +508,7 @@ async def job_events(
 
 def ended_without_event(job: KilnJob) -> bool:
     """A job can end with no event on its stream (quarantined, deleted): the stream closes."""
-    try:
-        return job.status() in ("finished", "failed", "stopped", "canceled")
-    except (UnknownJob, RenderFailed):
-        return True
+    return job.ended()
 
 
 # -- uploads -------------------------------------------------------------------------------------

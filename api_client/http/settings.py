@@ -136,17 +136,11 @@ SYNC_POOL = 16  # Redis connections the gateway's thread pool shares, however ma
 
 def bounded_connection(url: str) -> Any:
     """The gateway's synchronous Redis client: a pool of at most SYNC_POOL connections that a
-    burst of requests waits on (10 s at most) rather than opening one connection per thread.
-    A Sentinel URL goes through api_client.connection as the workers' does."""
-    from redis import BlockingConnectionPool, Redis
+    burst of requests waits on rather than opening one connection per thread (Sentinel URLs
+    included, as api_client.connection reads them)."""
+    from api_client.connection import connect
 
-    from api_client.connection import SENTINEL_SCHEMES, connect
-
-    if url.startswith(SENTINEL_SCHEMES):
-        return connect(url, max_connections=SYNC_POOL)
-    return Redis(
-        connection_pool=BlockingConnectionPool.from_url(url, max_connections=SYNC_POOL, timeout=10)
-    )
+    return connect(url, pool_size=SYNC_POOL)
 
 
 def _list(env: Mapping[str, str], name: str) -> list[str]:

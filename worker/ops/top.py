@@ -6,8 +6,8 @@ and the ETA of a default job submitted now; the last jobs that ended, with their
 It reads only what workers publish, a bounded amount per refresh: the live workers' states
 (ZRANGE + MGET, api_client.eta.live_workers), the newest entry of each running job's event stream
 (XREVRANGE COUNT 1), the published manifests, each queue's LLEN and next-job ETA
-(worker/queue/backlog.py, at most eta.AHEAD_READ jobs read), and the newest LAST_SCAN entries of
-each model's queue event stream. Never RQ's registries or Job readers (they run RQ's clean-up),
+(worker/queue/upkeep/backlog.py, at most eta.AHEAD_READ jobs read), and the newest LAST_SCAN
+entries of each model's queue event stream. Never RQ's registries or Job readers (they run RQ's clean-up),
 never a whole queue. A worker's state is refreshed every 10 s, so a job shorter than that may end
 before top sees it run; it shows under the last jobs either way.
 """
@@ -32,7 +32,7 @@ from api_client.eta import live_workers
 from api_client.manifest import Manifest
 from api_client.schema import PHASES, JobEvent, WorkerState
 from worker.ops.display import phase_header
-from worker.queue.backlog import Backlog, backlogs
+from worker.queue.upkeep.backlog import Backlog, backlogs
 
 if TYPE_CHECKING:
     from redis import Redis
