@@ -1,5 +1,6 @@
 """The memory ladder through the real worker: every rung renders, auto picks rungs by
-budget, injected OOMs (KILN_FAULTS) descend or fail as docs/contract.md says, the rung is remembered."""
+budget, injected OOMs (KILN_FAULTS) descend or fail as docs/contract.md says, the rung is
+remembered."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ It reads only what workers publish, a bounded amount per refresh: the live worke
 (ZRANGE + MGET, api_client.eta.live_workers), the newest entry of each running job's event stream
 (XREVRANGE COUNT 1), the published manifests, each queue's LLEN and next-job ETA
 (worker/queue/upkeep/backlog.py, at most eta.AHEAD_READ jobs read), and the newest LAST_SCAN
-entries of each model's queue event stream. Never RQ's registries or Job readers (they run RQ's clean-up),
-never a whole queue. A worker's state is refreshed every 10 s, so a job shorter than that may end
-before top sees it run; it shows under the last jobs either way.
+entries of each model's queue event stream. Never RQ's registries or Job readers (they run RQ's
+clean-up), never a whole queue. A worker's state is refreshed every 10 s, so a job shorter than
+that may end before top sees it run; it shows under the last jobs either way.
 """
 
 from __future__ import annotations
