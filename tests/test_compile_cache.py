@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 from redis import Redis
 
 from tests.conftest import kiln
 from tests.fixtures.fake_compile import compile_or_load, graph_files
 from tests.helpers import client_for, records
+from tests.support.images import pixels
 from tests.workers import wait_until
 from worker.ops.doctor import fleet_line
 from worker.pipelines.compile_cache import (
@@ -31,11 +31,6 @@ from worker.pipelines.compile_cache import (
 )
 
 MB = 2**20
-
-
-def pixels(path: str) -> np.ndarray[Any, Any]:
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"))
 
 
 def key(shape: str = "128x128 x1 cfg=on txt2img plain", device: str = "cpu: test") -> CompileKey:

@@ -30,19 +30,9 @@ from api_client.manifest import Manifest
 from api_client.schema import ControlChoice, RenderRequest
 from tests.conftest import kiln
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
-from tests.test_modes import mask_png, pixels, png
+from tests.support.images import mask_png, pixels, png, square_png
 from worker.files.details import read_details
 from worker.pipelines.control import canny
-
-
-def square_png(size: tuple[int, int] = (128, 128)) -> bytes:
-    """A white square on black: its Canny edges are the square's outline."""
-    image = Image.new("RGB", size, (0, 0, 0))
-    image.paste((255, 255, 255), (32, 32, 96, 96))
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return out.getvalue()
-
 
 BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a fox", "steps": 3, "seed": 7}
 

@@ -6,7 +6,6 @@ doc cannot drift from what the gateway does: if the walkthrough breaks, this tes
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -14,9 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +25,10 @@ from api_client.http.tokens import Tokens
 from tests.conftest import ROOT
 from tests.fixtures.gateway import call
 from tests.helpers import burst, make_renderer
-from tests.workers import free_port
+from tests.support.receivers import SECRET, SavingReceiver, targets
 
 DOC = ROOT / "docs" / "curl.md"
 BLOCK = re.compile(r"^```sh id=walkthrough\n(.*?)^```$", re.S | re.M)
-SECRET = "whsec_" + base64.b64encode(b"receiver-secret-0123456789abcdef").decode()
 MODEL = "tiny-sd15"
 SCRIPT_TIMEOUT_S = 240.0
 
@@ -42,47 +38,6 @@ def walkthrough() -> str:
     found = BLOCK.findall(DOC.read_text(encoding="utf-8"))
     assert len(found) == 1, f"{DOC} has {len(found)} walkthrough blocks, not one"
     return str(found[0])
-
-
-class SavingReceiver:
-    """A webhook receiver as docs/curl.md expects one: each delivery's body byte for byte in
-    <webhook-id>.body and its headers as `name: value` lines in <webhook-id>.headers, written
-    last (and renamed into place), so a .headers file means the delivery is all there."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/kiln-hook"
-        self.count = 0
-        self._server: ThreadingHTTPServer | None = None
-
-    def start(self) -> None:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                name = re.sub(r"[^A-Za-z0-9_-]", "_", self.headers.get("webhook-id", "none"))
-                base = receiver.directory / name
-                base.with_suffix(".body").write_bytes(body)
-                lines = "".join(f"{k}: {v}\n" for k, v in self.headers.items())
-                partial = base.with_suffix(".partial")
-                partial.write_text(lines, encoding="utf-8")
-                os.replace(partial, base.with_suffix(".headers"))
-                receiver.count += 1
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                return None
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
 
 
 def test_the_curl_walkthrough_runs_as_written(
@@ -96,9 +51,7 @@ def test_the_curl_walkthrough_runs_as_written(
     hooks_dir.mkdir()
     receiver = SavingReceiver(hooks_dir)
     receiver.start()
-    settings = make_settings(
-        webhooks=json.dumps({"studio": {"url": receiver.url, "secret": SECRET}})
-    )
+    settings = make_settings(webhooks=targets(receiver.url))
     renderer = make_renderer(settings, [MODEL])
     # An idle pass publishes what a serving worker publishes (its manifests, store and webhook
     # target names): the gateway validates the script's requests against them.

@@ -19,41 +19,13 @@ from redis import Redis
 
 from api_client.schema import OutputFormat
 from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.images import tiny_details
 from worker.errors import CannotReplay
 from worker.files import output
-from worker.files.details import ImageDetails, kiln_version, parse_details, read_details
+from worker.files.details import kiln_version, parse_details, read_details
 
 MODEL = "tiny-sd15"
 FORMATS: list[OutputFormat] = ["png", "webp", "jpeg"]
-
-
-def details_for_test(fmt: OutputFormat, **changes: Any) -> ImageDetails:
-    """Details as a tiny-sd15 job at 128 px would carry them."""
-    values: dict[str, Any] = {
-        "kiln": kiln_version(),
-        "model": MODEL,
-        "revision": None,
-        "prompt": "a fox",
-        "negative_prompt": "",
-        "seed": 1,
-        "steps": 2,
-        "guidance": 7.0,
-        "true_cfg": None,
-        "scheduler": "PNDMScheduler",
-        "width": 128,
-        "height": 128,
-        "num_images": 1,
-        "index": 0,
-        "format": fmt,
-        "rung": "full",
-        "dtype": "fp32",
-        "compiled": False,
-        "device": "cpu",
-        "quantized": {},
-        "loras": [],
-        "inputs": [],
-    }
-    return ImageDetails(**{**values, **changes})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -81,7 +53,7 @@ def test_each_format_carries_the_details_of_its_job(
         path = Path(image.path or "")
         assert hashlib.sha256(path.read_bytes()).hexdigest() == image.sha256  # details included
         details = read_details(path)
-        assert details == details_for_test(
+        assert details == tiny_details(
             fmt,
             prompt=resolved.prompt,
             negative_prompt="blurry",
@@ -121,7 +93,7 @@ def test_a_png_also_says_it_in_a1111_parameters(redis_conn: Redis, settings: Any
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_largest_request_still_fits_and_reads_back(tmp_path: Path, fmt: OutputFormat) -> None:
     """Two 4000-character prompts outside the BMP: about 33 kB of UTF-16, in a JPEG's 64 kB."""
-    details = details_for_test(fmt, prompt="🦊" * 4000, negative_prompt="\u202e𝄞" * 2000)
+    details = tiny_details(fmt, prompt="🦊" * 4000, negative_prompt="\u202e𝄞" * 2000)
     encoded = output.encode_image(Image.new("RGB", (64, 64), (200, 90, 20)), fmt, details)
     path = tmp_path / f"big.{output.extension(fmt)}"
     path.write_bytes(encoded.data)
@@ -133,7 +105,7 @@ def test_the_details_add_little_to_encoding() -> None:
     here 0.02-0.08 ms; the bound leaves room for a loaded machine."""
     image = Image.new("RGB", (128, 128), (10, 120, 200))
     for fmt in FORMATS:
-        details = details_for_test(fmt, negative_prompt="blurry, low quality")
+        details = tiny_details(fmt, negative_prompt="blurry, low quality")
         with_details = best_of(lambda f=fmt, d=details: output.encode_image(image, f, d))
         plain = best_of(lambda f=fmt: plain_encode(image, f))
         print(f"{fmt}: {1000 * with_details:.3f} ms, {1000 * (with_details - plain):+.3f} ms")
@@ -175,7 +147,7 @@ def _set(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
 def test_tampered_details_are_refused_naming_what_is_wrong(
     tamper: Callable[[dict[str, Any]], None], named: str
 ) -> None:
-    data = details_for_test("png").model_dump(mode="json")
+    data = tiny_details("png").model_dump(mode="json")
     tamper(data)
     with pytest.raises(CannotReplay, match=rf"^img\.png: its kiln details .*{re.escape(named)}"):
         parse_details(json.dumps(data), "img.png")

@@ -18,7 +18,7 @@ from api_client import RenderFailed, RequestRejected
 from api_client.manifest import Manifest, load_manifest_file
 from tests.conftest import MANIFESTS
 from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
-from tests.test_modes import mask_png, pixels, png
+from tests.support.images import mask_png, pixels, png
 from worker.pipelines.families import check_installed, spec_for
 
 KONTEXT = "tiny-flux-kontext"

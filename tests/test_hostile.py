@@ -9,51 +9,32 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from redis import Redis
 from rq import Queue, Repeat, Retry
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api_client import KilnClient, KilnJob, RenderFailed, RenderResult, RequestRejected, keys
+from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.schema import RENDER_FUNC
 from tests.conftest import MANIFESTS, kiln
 from tests.helpers import enqueue_raw, records
+from tests.support.deployments import Deployment, alive, ends, quarantined, worker_env
+from tests.support.records import log_lines, render_record
 from tests.workers import WorkerProcess, wait_until
 
 MODEL = "tiny-sd15"
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"
 GOOD: dict[str, Any] = {"model": MODEL, "prompt": "ok", "steps": 2, "seed": 1}
 MB = 1024 * 1024
-ENDED = ("finished", "failed", "stopped", "canceled")
-
-
-@dataclass
-class Deployment:
-    conn: Redis
-    client: KilnClient
-    worker: WorkerProcess
-    env: dict[str, str]
-    timings_log: Path
-    planted: dict[str, str]  # start-up cases: label -> job id, in Redis before the worker began
 
 
 def make_record(conn: Redis, field: str, value: bytes | None, **options: Any) -> str:
     """A real rq job record for kiln's render call, one field then made garbage (None: deleted)."""
-    job = Job.create(
-        RENDER_FUNC,
-        kwargs={"request": GOOD},
-        connection=conn,
-        serializer=JSONSerializer,
-        origin=keys.queue_name(MODEL),
-        status=JobStatus.QUEUED,
-        **options,
-    )
-    job.save()
+    job = render_record(conn, MODEL, GOOD, **options)
     if value is None:
         conn.hdel(job.key, field)
     else:
@@ -65,21 +46,10 @@ def make_record(conn: Redis, field: str, value: bytes | None, **options: Any) ->
 def deployment(
     redis_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    import os
-
     conn = Redis.from_url(redis_url)
     conn.flushdb()
     out = tmp_path_factory.mktemp("hostile")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(
-        KILN_REDIS_URL=redis_url,
-        KILN_MANIFESTS=str(MANIFESTS),
-        KILN_MODELS_DIR=str(tiny_dir),
-        KILN_OUTPUT_DIR=str(out / "out"),
-        KILN_TIMINGS_LOG=str(out / "out" / "timings.jsonl"),
-        KILN_INDUCTOR_CACHE_DIR=str(out / "inductor"),
-        PYTHONUNBUFFERED="1",
-    )
+    env = worker_env(redis_url, tiny_dir, out)
     # Start-up clean-up cases: a dead worker left a corrupt record in the intermediate list, and
     # another one in the started registry with its heartbeat long expired.
     held = make_record(conn, "status", b"exploded")
@@ -91,37 +61,12 @@ def deployment(
     worker = WorkerProcess(env, out / "worker.log", "--models", MODEL)
     try:
         worker.wait_ready(conn)
-        yield Deployment(
-            conn,
-            client,
-            worker,
-            env,
-            out / "out" / "timings.jsonl",
-            {"intermediate": held, "started registry": abandoned, "good job behind": behind},
-        )
+        planted = {"intermediate": held, "started registry": abandoned, "good job behind": behind}
+        yield Deployment(conn, client, worker, env, planted)
     finally:
         worker.stop()
         conn.flushdb()
         conn.close()
-
-
-def alive(d: Deployment) -> None:
-    assert d.worker.proc.poll() is None, f"worker died:\n{d.worker.output()}"
-
-
-def ends(d: Deployment, job: KilnJob, timeout: float = 60.0) -> RenderResult:
-    """The job's result (RenderFailed if it failed), failing at once if the worker dies."""
-    wait_until(lambda: alive(d) or job.status() in ENDED, timeout, f"job {job.id} to end")
-    return job.wait(timeout=5)
-
-
-def quarantined(d: Deployment, job_id: str) -> dict[str, Any]:
-    """The entry `kiln quarantine --json` lists for this id (the real command line)."""
-    done = kiln("quarantine", "--json", env=d.env, timeout=60)
-    assert done.returncode == 0, done.stderr
-    listed = {e["job_id"]: e for e in map(json.loads, done.stdout.splitlines())}
-    assert job_id in listed, f"{job_id} not in `kiln quarantine`: {done.stdout}"
-    return listed[job_id]
 
 
 def gone(d: Deployment, job_id: str) -> None:
@@ -265,11 +210,7 @@ def test_huge_values_and_keys_are_echoed_cut_short(deployment: Deployment) -> No
         assert len(meta) < 4000, (label, len(meta))
         assert "chars)" in caught.value.message, caught.value.message
     alive(d)
-    lines = [
-        line
-        for line in d.timings_log.read_text().splitlines()
-        if any(job_id in line for job_id in jobs.values())
-    ]
+    lines = log_lines(d.timings_log, *jobs.values())
     assert len(lines) == 2 and all(len(line) < 5000 for line in lines), [len(x) for x in lines]
     grown = d.worker.log.stat().st_size - stdout_before
     metas = [len(d.conn.hget(f"rq:job:{j}", "meta") or b"") for j in jobs.values()]

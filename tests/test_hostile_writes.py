@@ -9,13 +9,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import struct
 import time
 import urllib.request
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,7 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from redis import Redis
-from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
+from worker.queue.backlog import default_request
 
 from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.inputs import MAX_PNG_CHUNKS
@@ -34,34 +31,23 @@ from api_client.manifest import load_manifest_dir
 from api_client.schema import RENDER_FUNC, TimingFit
 from api_client.webhooks import MAX_DATA_BYTES, job_webhook_target
 from tests.conftest import MANIFESTS, kiln
-from tests.test_details import details_for_test
-from tests.test_hostile import alive, ends, quarantined
+from tests.support.deployments import Deployment, alive, ends, quarantined, worker_env
+from tests.support.images import tiny_details
+from tests.support.records import log_lines, render_record
 from tests.workers import WorkerProcess, free_port, wait_until
 from worker.files.details import DETAILS_KEY, MAX_DEPTH
-from worker.queue.backlog import default_request
 from worker.render.inputs import open_input
 
 MODEL = "tiny-sd15"
 UNSERVED = "tiny-sdxl"  # a model with a manifest and no worker: its jobs stay queued
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"
 GOOD: dict[str, Any] = {"model": MODEL, "prompt": "ok", "steps": 2, "seed": 1}
-ENDED = ("finished", "failed", "stopped", "canceled")
 MB = 1024 * 1024
 BAD_FITS = {  # kiln:fits field -> value, written before the worker starts
     keys.fit_field(MODEL, 128, 128): b"not json",
     f"{MODEL}:bogus": TimingFit(fixed_s=1, per_step_s=1, samples=1).model_dump_json().encode(),
     keys.fit_field(MODEL, 192, 128): b'{"fixed_s": "soon", "per_step_s": 1, "samples": 1}',
 }
-
-
-@dataclass
-class Deployment:
-    conn: Redis
-    client: KilnClient
-    worker: WorkerProcess
-    env: dict[str, str]
-    timings_log: Path
-    metrics_port: int
 
 
 @pytest.fixture(scope="module")
@@ -71,23 +57,14 @@ def deployment(
     conn = Redis.from_url(redis_url)
     conn.flushdb()
     out = tmp_path_factory.mktemp("hostile-writes")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(
-        KILN_REDIS_URL=redis_url,
-        KILN_MANIFESTS=str(MANIFESTS),
-        KILN_MODELS_DIR=str(tiny_dir),
-        KILN_OUTPUT_DIR=str(out / "out"),
-        KILN_TIMINGS_LOG=str(out / "out" / "timings.jsonl"),
-        KILN_INDUCTOR_CACHE_DIR=str(out / "inductor"),
-        PYTHONUNBUFFERED="1",
-    )
+    env = worker_env(redis_url, tiny_dir, out)
     conn.hset(keys.FITS_KEY, mapping=BAD_FITS)
     port = free_port()
     worker = WorkerProcess(env, out / "worker.log", "--models", MODEL, "--metrics-port", str(port))
     try:
         worker.wait_ready(conn)
         client = KilnClient(connection=conn, manifests_dir=MANIFESTS)
-        yield Deployment(conn, client, worker, env, out / "out" / "timings.jsonl", port)
+        yield Deployment(conn, client, worker, env, metrics_port=port)
     finally:
         worker.stop()
         conn.flushdb()
@@ -97,24 +74,14 @@ def deployment(
 def record_with_data(conn: Redis, data: bytes) -> str:
     """A queued rq record for kiln's render call whose data field is then replaced by these
     bytes, its id pushed on the model's queue: what a producer with Redis access can write."""
-    job = Job.create(
-        RENDER_FUNC,
-        kwargs={"request": GOOD},
-        connection=conn,
-        serializer=JSONSerializer,
-        origin=keys.queue_name(MODEL),
-        status=JobStatus.QUEUED,
-    )
-    job.save()
+    job = render_record(conn, MODEL, GOOD)
     conn.hset(job.key, "data", data)
     conn.rpush(QUEUE_KEY, job.id)
     return str(job.id)
 
 
 def done_records(d: Deployment, job_id: str) -> int:
-    if not d.timings_log.exists():
-        return 0
-    return sum(1 for line in d.timings_log.read_text().splitlines() if job_id in line)
+    return len(log_lines(d.timings_log, job_id))
 
 
 def records_after_its_end(d: Deployment, job_id: str) -> int:
@@ -310,7 +277,7 @@ def test_replay_of_five_loras_names_the_request_field_and_its_bound(
 ) -> None:
     d = deployment
     loras = [{"name": f"lora{i}", "weight": 0.5} for i in range(5)]
-    data = details_for_test("png").model_dump(mode="json")
+    data = tiny_details("png").model_dump(mode="json")
     data["loras"] = loras
     image = image_with_details(tmp_path / "five.png", json.dumps(data))
     done = kiln("replay", str(image), env=d.env, timeout=60)
@@ -326,7 +293,7 @@ def test_replay_of_details_nested_50000_deep_is_one_line(
     deployment: Deployment, tmp_path: Path
 ) -> None:
     d = deployment
-    data = details_for_test("png").model_dump(mode="json")
+    data = tiny_details("png").model_dump(mode="json")
     document = json.dumps(data)[:-1] + ', "deep": ' + "[" * 50_000 + "]" * 50_000 + "}"
     image = image_with_details(tmp_path / "deep.png", document)
     done = kiln("replay", str(image), env=d.env, timeout=60)

@@ -21,7 +21,7 @@ from api_client.loras import parse_lora_flag
 from api_client.schema import LoraChoice
 from tests.conftest import kiln
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.test_modes import pixels
+from tests.support.images import pixels
 from worker.files.details import read_details
 from worker.manifest import load_manifests
 from worker.pipelines.adapters import AdapterRefused, AdapterSlots

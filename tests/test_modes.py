@@ -4,11 +4,7 @@ refused at submit naming field, value and rule; an input changed after upload fa
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,32 +15,13 @@ from redis import Redis
 
 from api_client import RenderFailed, RequestRejected
 from api_client.keys import input_key
-from tests.conftest import ROOT, kiln
+from tests.conftest import kiln
 from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.backends import start_backend
+from tests.support.images import mask_png, pixels, png
 from tests.workers import wait_until
 
 MODELS = ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwenimage", "tiny-zimage"]
-
-
-def png(size: tuple[int, int] = (128, 128), seed: int = 0) -> bytes:
-    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def mask_png(size: tuple[int, int] = (128, 128)) -> bytes:
-    mask = Image.new("L", size, 0)
-    mask.paste(255, (size[0] // 4, size[1] // 4, 3 * size[0] // 4, 3 * size[1] // 4))
-    out = io.BytesIO()
-    mask.save(out, "PNG")
-    return out.getvalue()
-
-
-def pixels(path: str | None) -> Any:
-    assert path is not None
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"), dtype=np.int16)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -155,15 +132,13 @@ def test_a_backend_with_only_the_client_submits_inputs_and_loras_against_s3(
     source, mask = tmp_path / "source.png", tmp_path / "mask.png"
     source.write_bytes(png())
     mask.write_bytes(mask_png())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KILN_"))}
-    argv = [sys.executable, "-m", "tests.remote_img2img", settings.redis_url, "tiny-sd15"]
-    backend = subprocess.Popen(
-        [*argv, str(source), str(mask), str(tmp_path / "backend")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    backend = start_backend(
+        "tests.remote_img2img",
+        settings.redis_url,
+        "tiny-sd15",
+        str(source),
+        str(mask),
+        str(tmp_path / "backend"),
     )
     try:
         wait_until(lambda: redis_conn.llen("rq:queue:kiln:tiny-sd15") == 3, 60, "queued")

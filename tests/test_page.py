@@ -306,7 +306,7 @@ def test_an_upscale_a_control_a_reference_and_a_hires_pass_from_the_form(
     ControlNets (the image uploaded, Canny asked of the worker), its IP-Adapter's reference
     image and a hires pass, sent as the request's controls, reference and hires and rendered
     at twice the size."""
-    from tests.test_controls import square_png
+    from tests.support.images import square_png
 
     picture = tmp_path / "square.png"
     picture.write_bytes(square_png())

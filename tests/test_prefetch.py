@@ -19,7 +19,7 @@ from rq import Queue
 from api_client import keys
 from api_client.schema import WorkerState
 from tests.helpers import client_for, make_renderer, records, serving_worker
-from tests.test_modes import pixels
+from tests.support.images import pixels
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.memory.faults import FaultPlan

@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.test_modes import pixels
+from tests.support.images import pixels
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.memory.faults import FaultPlan

@@ -23,8 +23,7 @@ from api_client.resolve import resolve_request
 from api_client.schema import ReferenceChoice, ReferenceReport, RenderRequest
 from tests.conftest import ROOT
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.test_controls import square_png
-from tests.test_modes import mask_png, pixels, png
+from tests.support.images import mask_png, pixels, png, square_png
 from worker.files.details import parameters_text, read_details
 
 BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a fox", "steps": 3, "seed": 7}

@@ -7,8 +7,6 @@ import base64
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +27,14 @@ from redis import Redis
 from api_client import KilnClient, KilnJob, RenderFailed
 from api_client.fetch import FetchFailed
 from api_client.webhooks import verify_webhook
-from tests.conftest import MANIFESTS, ROOT
+from tests.conftest import MANIFESTS
 from tests.fixtures.flaky_s3 import FlakyS3
 from tests.fixtures.gate import hold_here
 from tests.fixtures.stops_after_preview import StopsAfterPreview
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.hookserver import HookServer
 from tests.s3server import BUCKET, MotoServer
+from tests.support.backends import start_backend
+from tests.support.receivers import HookServer, targets
 from tests.workers import STARTUP_S, WorkerProcess, free_port, wait_until
 from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreError, StoreUnavailable
 from worker.files.s3 import _heals
@@ -56,23 +55,16 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
 ) -> None:
     hooks = HookServer()
     hooks.start()
-    webhooks = json.dumps({"studio": {"url": hooks.url, "secret": SECRET}})
+    webhooks = targets(hooks.url, SECRET)
     settings = make_settings(**s3.store_settings(), webhooks=webhooks)
     renderer = make_renderer(settings, ["tiny-sd15"])
     from tests.helpers import make_worker
 
     worker = make_worker(redis_conn, renderer, ["tiny-sd15"])  # publishes the target names
     # The backend: another process, with Redis only (no AWS_*, no KILN_OUTPUT_*).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "KILN_"))}
     backend_dir = tmp_path / "backend"
-    argv = [sys.executable, "-m", "tests.remote_client", redis_url, "tiny-sd15"]
-    backend = subprocess.Popen(
-        [*argv, str(backend_dir), "studio"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    backend = start_backend(
+        "tests.remote_client", redis_url, "tiny-sd15", str(backend_dir), "studio"
     )
     try:
         wait_until(lambda: redis_conn.llen("rq:queue:kiln:tiny-sd15") == 1, 30, "the job queued")

@@ -16,7 +16,7 @@ from redis import Redis
 from api_client import RenderFailed, RequestRejected
 from api_client.manifest import Manifest
 from tests.helpers import burst, client_for, make_renderer, records
-from tests.test_modes import pixels, png
+from tests.support.images import pixels, png
 from worker.pipelines.upscale import tiled
 
 UPSCALER = "tiny-upscaler"

@@ -6,7 +6,6 @@ delivery taken: tests/test_webhooks.py (crash@webhook, real worker processes).""
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -27,23 +26,14 @@ from api_client.webhooks import (
     verify_webhook,
 )
 from tests.conftest import ROOT
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer
-from tests.hookserver import HookServer
+from tests.helpers import burst, enqueue_raw
+from tests.support.receivers import SECRET, HookServer, job_event, published, sender, targets
 from tests.workers import free_port, wait_until
-from worker.queue.webhooks import Dispatcher, delivery_id
-from worker.settings import Settings, WebhookTarget
+from worker.queue.webhooks import delivery_id
+from worker.settings import Settings
 
-SECRET = "whsec_" + "cmVjZWl2ZXItc2VjcmV0LTAxMjM0NTY3ODlhYmNkZWY="
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 2, "seed": 3}
 SCALE = 1000  # seconds of the schedule and of the outage per second of this test
-
-
-def _event(job_id: str, kind: Any = "failed") -> JobEvent:
-    return JobEvent(kind=kind, job_id=job_id, model="tiny-sd15", at=time.time(), error="boom")
-
-
-def _dispatcher(conn: Redis, url: str, **options: Any) -> Dispatcher:
-    return Dispatcher({"studio": WebhookTarget(url=url, secret=SECRET)}, conn, **options)
 
 
 def _entry(conn: Redis, msg_id: str) -> OutboxEntry:
@@ -71,11 +61,11 @@ def test_a_receiver_down_for_ten_minutes_then_up_gets_every_delivery(redis_conn:
     hooks = HookServer()
     hooks.status, hooks.answer = 503, b"deploying"
     hooks.start()
-    dispatcher = _dispatcher(redis_conn, hooks.url, retries=schedule)
+    dispatcher = sender(redis_conn, hooks.url, retries=schedule)
     jobs = [f"job-outage-{n}" for n in range(5)]
     try:
         for job in jobs:
-            assert queue_webhook(redis_conn, "studio", _event(job))
+            assert queue_webhook(redis_conn, "studio", job_event(job))
         dispatcher.start()
         down_until = time.monotonic() + 600 / SCALE
         wait_until(lambda: time.monotonic() >= down_until, 5, "the outage's 10 minutes")
@@ -91,7 +81,7 @@ def test_a_receiver_down_for_ten_minutes_then_up_gets_every_delivery(redis_conn:
         Webhook(SECRET).verify(request.body, request.headers)
         assert request.headers["webhook-id"] == delivery_id(event)  # the same id on every try
         by_id.setdefault(request.headers["webhook-id"], []).append(request.status)
-    assert set(by_id) == {delivery_id(_event(job)) for job in jobs}
+    assert set(by_id) == {delivery_id(job_event(job)) for job in jobs}
     for statuses in by_id.values():
         # Refused while down (tries at 0, 5, 65 and 365 s), then delivered once.
         assert statuses[-1] == 204 and statuses.count(204) == 1, statuses
@@ -106,8 +96,8 @@ def test_after_its_last_try_a_delivery_is_a_dead_letter_that_kiln_webhooks_lists
     hooks = HookServer()
     hooks.status, hooks.answer = 503, b"upstream down for maintenance"
     hooks.start()
-    dispatcher = _dispatcher(redis_conn, hooks.url, retries=(0.05, 0.05))
-    retried, gone = _event("job-retried"), _event("job-gone", "stopped")
+    dispatcher = sender(redis_conn, hooks.url, retries=(0.05, 0.05))
+    retried, gone = job_event("job-retried"), job_event("job-gone", "stopped")
     retried_id, gone_id = delivery_id(retried), delivery_id(gone)
     try:
         queue_webhook(redis_conn, "studio", retried)
@@ -127,7 +117,7 @@ def test_after_its_last_try_a_delivery_is_a_dead_letter_that_kiln_webhooks_lists
         assert _entry(redis_conn, gone_id).last_answer == "HTTP 410: no such hook"
         assert any(f"--resend {retried_id}" in r.getMessage() for r in caplog.records)
         # A job waiting too, for the listing.
-        queue_webhook(redis_conn, "elsewhere", _event("job-waiting"))
+        queue_webhook(redis_conn, "elsewhere", job_event("job-waiting"))
 
         listed = _kiln(redis_url)
         assert listed.returncode == 0, listed.stderr
@@ -171,25 +161,25 @@ def test_each_target_holds_at_most_outbox_max_and_a_refusal_is_logged(
     assert OUTBOX_MAX == 10_000  # the stated bound (README, Webhooks)
     with redis_conn.pipeline(transaction=False) as pipe:
         for n in range(OUTBOX_MAX):
-            queue_webhook(pipe, "studio", _event(f"job-{n}"))
+            queue_webhook(pipe, "studio", job_event(f"job-{n}"))
         assert set(pipe.execute()) == {1}
     # Writing an end already there is no new delivery, and is not refused.
-    assert queue_webhook(redis_conn, "studio", _event("job-0"))
-    assert not queue_webhook(redis_conn, "studio", _event("job-over"))  # refused, logged here
+    assert queue_webhook(redis_conn, "studio", job_event("job-0"))
+    assert not queue_webhook(redis_conn, "studio", job_event("job-over"))  # refused, logged here
     [said] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert "job-over" in said and "10000" in said and delivery_id(_event("job-over")) in said
+    assert "job-over" in said and "10000" in said and delivery_id(job_event("job-over")) in said
     with redis_conn.pipeline() as pipe:  # in a caller's commit: the answer is in its results
-        queue_webhook(pipe, "studio", _event("job-over-2"))
+        queue_webhook(pipe, "studio", job_event("job-over-2"))
         assert pipe.execute() == [REFUSED]
     assert redis_conn.hlen(outbox_key("studio", "entries")) == OUTBOX_MAX
     assert redis_conn.hget(outbox_key("studio", "refused"), "count") == b"2"
-    assert queue_webhook(redis_conn, "other", _event("job-over"))  # the bound is per target
+    assert queue_webhook(redis_conn, "other", job_event("job-over"))  # the bound is per target
     # Every sender of the target says so too, whoever wrote (a MULTI's caller cannot see it).
     caplog.clear()
     hooks = HookServer()
     hooks.answering.clear()  # hold the first try: nothing is delivered meanwhile
     hooks.start()
-    dispatcher = _dispatcher(redis_conn, hooks.url)
+    dispatcher = sender(redis_conn, hooks.url)
     try:
         dispatcher.start()
         wait_until(
@@ -205,8 +195,8 @@ def test_each_target_holds_at_most_outbox_max_and_a_refusal_is_logged(
 
 def test_a_sender_that_stops_leaves_its_undelivered_deliveries_in_redis(redis_conn: Redis) -> None:
     url = f"http://127.0.0.1:{free_port()}/kiln-hook"  # nothing listens: every try is refused
-    dispatcher = _dispatcher(redis_conn, url, retries=(60,))
-    event = _event("job-left")
+    dispatcher = sender(redis_conn, url, retries=(60,))
+    event = job_event("job-left")
     queue_webhook(redis_conn, "studio", event)
     dispatcher.start()
     wait_until(lambda: _entry(redis_conn, delivery_id(event)).attempts == 1, 10, "a failed try")
@@ -225,10 +215,8 @@ def test_a_jobs_end_and_its_delivery_are_one_commit_in_a_real_worker(
     sender delivers them, the done one a JobEvent with the job's result."""
     hooks = HookServer()
     hooks.start()
-    settings = make_settings(webhooks=json.dumps({"studio": {"url": hooks.url, "secret": SECRET}}))
-    client = client_for(redis_conn, settings)
-    renderer = make_renderer(settings, ["tiny-sd15"])
-    burst(redis_conn, renderer, ["tiny-sd15"])  # publishes the target name
+    settings = make_settings(webhooks=targets(hooks.url))
+    client, renderer = published(redis_conn, settings)
     done = client.submit({**REQUEST, "webhook": "studio"})
     failed = enqueue_raw(
         redis_conn, "tiny-sd15", {"request": {**REQUEST, "steps": 100_000, "webhook": "studio"}}
@@ -248,7 +236,7 @@ def test_a_jobs_end_and_its_delivery_are_one_commit_in_a_real_worker(
         failed_id.encode(),
     }
     assert hooks.received == []
-    dispatcher = _dispatcher(redis_conn, hooks.url)
+    dispatcher = sender(redis_conn, hooks.url)
     try:
         dispatcher.start()
         deliveries = hooks.wait_for(2)
@@ -272,17 +260,13 @@ def test_an_outbox_key_a_client_retyped_fails_no_jobs_end(
     """Anyone with the client ACL can SET an outbox key to a string: the delivery is lost, said
     so in the log, and the job's end (done in FINISH, failed in RQ's MULTI) is still written."""
     caplog.set_level(logging.ERROR)
-    settings = make_settings(
-        webhooks=json.dumps({"studio": {"url": "http://127.0.0.1:9/x", "secret": SECRET}})
-    )
-    client = client_for(redis_conn, settings)
-    renderer = make_renderer(settings, ["tiny-sd15"])
-    burst(redis_conn, renderer, ["tiny-sd15"])
+    settings = make_settings(webhooks=targets("http://127.0.0.1:9/x"))
+    client, renderer = published(redis_conn, settings)
     redis_conn.set(outbox_key("studio", "entries"), "not a hash")
-    assert not queue_webhook(redis_conn, "studio", _event("job-x"))
+    assert not queue_webhook(redis_conn, "studio", job_event("job-x"))
     with redis_conn.pipeline() as pipe:
         pipe.set("kiln:test:beside", "1")
-        queue_webhook(pipe, "studio", _event("job-y"))
+        queue_webhook(pipe, "studio", job_event("job-y"))
         assert pipe.execute() == [True, -2]  # the rest of the commit is applied
     done = client.submit({**REQUEST, "webhook": "studio"})
     failed = enqueue_raw(
