@@ -9,7 +9,6 @@ tests/test_api_loop.py's."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 from datetime import datetime, timezone
@@ -27,6 +26,7 @@ from api_client.schema import WorkerState
 from tests.conftest import kiln
 from tests.fixtures.gateway import call
 from tests.helpers import burst, client_for, make_renderer, make_worker
+from tests.support.images import encoded
 from worker.queue.publisher import Snapshot
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 7}
@@ -39,9 +39,7 @@ def png(side: int = 128, noise: bool = False) -> bytes:
 
     pixels = np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8)
     image = Image.fromarray(pixels) if noise else Image.new("RGB", (side, side), (200, 40, 40))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
+    return encoded(image)
 
 
 def submit(gateway: Any, token: str, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
