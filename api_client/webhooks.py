@@ -26,7 +26,7 @@ stopped job's end and a client's cancel call queue_webhook on the pipeline that 
 The write is idempotent (the delivery id is the same for the same end) and bounded: a target
 holding OUTBOX_MAX entries refuses more, counted in `kiln:webhooks:<target>:refused`; the
 caller that sees the refusal logs it, and every sender of that target logs the count rising.
-Any worker configured with the target sends it (worker/queue/webhooks.py).
+Any worker configured with the target sends it (worker/queue/upkeep/webhooks.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ OUTBOX_PREFIX = "kiln:webhooks:"  # kiln:webhooks:<target>:<part>, parts in OUTB
 OUTBOX_PARTS = ("entries", "due", "taken", "dead", "refused")
 OUTBOX_MAX = 10_000  # entries per target (waiting, in flight and dead); past it a write is refused
 # A job record's data inflated further is unreadable (a zlib bomb stops here), for its webhook
-# target and for the worker (worker/queue/quarantine.py). The largest request kiln takes is five
+# target and for the worker (worker/queue/upkeep/quarantine.py). The largest request kiln takes is five
 # inline images (image, mask, two controls, a reference) of 2 MB each, 2.7 MB as base64, with two
 # 4000-character prompts: under 14 MB. 16 MiB holds it.
 MAX_DATA_BYTES = 16 * 2**20

@@ -14,8 +14,8 @@ from worker.manifest import load_manifests
 from worker.queue.build import make_worker as build_worker
 from worker.queue.build import open_queues
 from worker.queue.lanes import LaneOrder
-from worker.queue.publisher import RecordPublisher
-from worker.queue.webhooks import Dispatcher
+from worker.queue.upkeep.publisher import RecordPublisher
+from worker.queue.upkeep.webhooks import Dispatcher
 from worker.queue.worker import KilnWorker
 from worker.render.renderer import Renderer
 from worker.render.timings import TimingRecord, read_records

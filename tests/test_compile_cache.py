@@ -277,7 +277,7 @@ def test_a_redis_that_refuses_the_bundle_costs_a_compile_not_the_job(
 def test_compile_seconds_are_counted_by_source_for_prometheus() -> None:
     from prometheus_client import REGISTRY
 
-    from worker.queue.metrics import observe
+    from worker.queue.upkeep.metrics import observe
     from worker.render.timings import TimingRecord
 
     labels = {"model": "tiny-compile-metric", "source": "fleet"}

@@ -24,7 +24,7 @@ from api_client import KilnClient, keys, verify_webhook
 from tests.support.receivers import SECRET, HookServer, targets
 from tests.workers import MANIFESTS, WorkerProcess, short_lease, wait_until
 from worker.crashes import CRASH_POINTS, CRASH_STATUS
-from worker.queue.webhooks import delivery_id
+from worker.queue.upkeep.webhooks import delivery_id
 
 LEASE_S = 4
 SHORT_LEASE = short_lease(LEASE_S)

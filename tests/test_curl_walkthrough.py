@@ -120,7 +120,7 @@ def test_the_curl_walkthrough_runs_as_written(
 
 def _delivery_id(job_id: str) -> str:
     from api_client.schema import JobEvent
-    from worker.queue.webhooks import delivery_id
+    from worker.queue.upkeep.webhooks import delivery_id
 
     return delivery_id(JobEvent(kind="done", job_id=job_id, model=MODEL, at=0.0))
 

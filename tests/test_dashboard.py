@@ -117,9 +117,9 @@ def test_every_dashboard_expression_names_what_a_live_worker_exports(
 
 
 def test_the_dashboard_shows_every_kiln_metric() -> None:
-    """A metric added to worker/queue/metrics.py without a panel fails here."""
+    """A metric added to worker/queue/upkeep/metrics.py without a panel fails here."""
     declared = set(
-        re.findall(r'"(kiln_[a-z_]+)"', (ROOT / "worker" / "queue" / "metrics.py").read_text())
+        re.findall(r'"(kiln_[a-z_]+)"', (ROOT / "worker" / "queue" / "upkeep" / "metrics.py").read_text())
     )
     read = {
         re.sub(r"_(bucket|sum|count)$", "", metric)
@@ -180,7 +180,7 @@ def test_recompile_causes_become_a_fixed_set_of_labels() -> None:
     from api_client.manifest import load_manifest_file
     from api_client.schema import SettingsReport
     from worker.pipelines.resident import LoadedPipeline
-    from worker.queue.metrics import cause_category, observe
+    from worker.queue.upkeep.metrics import cause_category, observe
     from worker.render.timings import TimingRecord
 
     def novelty(**seen: Any) -> str:

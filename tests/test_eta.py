@@ -60,7 +60,7 @@ def test_fit_is_least_squares_over_step_counts_and_restarts_on_a_new_rung() -> N
 def test_a_job_answered_from_the_store_is_counted_once_in_metrics() -> None:
     from prometheus_client import REGISTRY
 
-    from worker.queue.metrics import observe
+    from worker.queue.upkeep.metrics import observe
 
     labels = {"model": MODEL}
     before = REGISTRY.get_sample_value("kiln_jobs_answered_from_store_total", labels) or 0.0

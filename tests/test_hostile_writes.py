@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from redis import Redis
-from worker.queue.backlog import default_request
+from worker.queue.upkeep.backlog import default_request
 
 from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.inputs import MAX_PNG_CHUNKS

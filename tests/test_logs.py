@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 from tests.fixtures.gate import Gate
 from tests.support.jobs import denoising
 from tests.workers import Options, RedisServer, WorkerProcess, free_port, gated, wait_until
-from worker.queue.pulse import RedisWatch, WatchedRetry, watch_connection
+from worker.queue.upkeep.pulse import RedisWatch, WatchedRetry, watch_connection
 
 OUTAGE_S = 4.0
 

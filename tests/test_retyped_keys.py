@@ -13,7 +13,7 @@ from api_client import KilnClient, keys
 from tests.conftest import kiln
 from tests.fixtures.gate import Gate
 from tests.workers import WorkerProcess, gated, wait_until
-from worker.queue.quarantine import KEY_ASIDE_PREFIX
+from worker.queue.upkeep.quarantine import KEY_ASIDE_PREFIX
 
 MODEL = "tiny-sd15"
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"

@@ -4,7 +4,7 @@ sweep.py), behind a pin to the tested line (pyproject.toml). rq changes these in
 (3.0 changed perform_job and maintain_heartbeats), so this file records each one as rq 2.12 has
 it: a signature (parameters and defaults), an attribute, or a name in Redis. A failure names the
 hook, where kiln uses it, and rq 2.12's value beside the installed rq's. Last, the parts of
-redis-py's Retry that worker/queue/pulse.py subclasses."""
+redis-py's Retry that worker/queue/upkeep/pulse.py subclasses."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ W, J, X, L, S = (
     "RenderJob (worker/queue/job.py)",
     "worker/queue/execution.py",
     "LeaseKeeper (worker/queue/lease.py)",
-    "Sweeper (worker/queue/sweep.py)",
+    "Sweeper (worker/queue/upkeep/sweep.py)",
 )
 
 HOOKS = [
@@ -168,7 +168,7 @@ HOOKS = [
     Hook("Job.save_meta", "(self)", f"{CALL} worker/queue/job.py record_error"),
     Hook("Job.started_job_registry", "property", f"{CALL} {X} push_lease"),
     Hook("Job.dependents_key", "property", f"{CALL} {X} Finisher"),
-    Hook("Job.key_for", "(job_id)", f"{CALL} worker/queue/quarantine.py"),
+    Hook("Job.key_for", "(job_id)", f"{CALL} worker/queue/upkeep/quarantine.py"),
     Hook("Job.fetch", "(id, connection=None, serializer=None)", f"{CALL} api_client"),
     Hook("Job.fetch_many", "(job_ids, connection, serializer=None)", f"{CALL} api_client/eta.py"),
     Hook(
@@ -263,7 +263,7 @@ HOOKS = [
     Hook("rq.utils.current_timestamp", "()", f"{CALL} {W} and {S}"),
     Hook("rq.utils.now", "()", f"{CALL} {W} and the client"),
     Hook("rq.utils.utcformat", "(dt)", f"{CALL} {W} and {X}"),
-    Hook("rq.utils.str_to_date", "(date_str)", f"{CALL} worker/queue/quarantine.py"),
+    Hook("rq.utils.str_to_date", "(date_str)", f"{CALL} worker/queue/upkeep/quarantine.py"),
 ]
 
 # Attributes kiln reads or sets that rq creates (most of them private), on real rq objects.
@@ -541,13 +541,13 @@ def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
 
 
 def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
-    """worker/queue/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a
+    """worker/queue/upkeep/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a
     line): it copies the policy's private fields, wraps call_with_retry's first two parameters and
     forwards the rest, and relies on each new connection deep-copying the client's policy."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry as RedisRetry
 
-    from worker.queue.pulse import WatchedRetry, watch_connection
+    from worker.queue.upkeep.pulse import WatchedRetry, watch_connection
 
     policy = RedisRetry(NoBackoff(), 3)
     fields = [f for f in ("_backoff", "_retries", "_supported_errors") if not hasattr(policy, f)]
@@ -555,7 +555,7 @@ def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
     found = list(inspect.signature(RedisRetry.call_with_retry).parameters)[:3]
     assert found == ["self", "do", "fail"], (
         "redis-py changed Retry.call_with_retry, overridden by WatchedRetry"
-        f" (worker/queue/pulse.py):\n"
+        f" (worker/queue/upkeep/pulse.py):\n"
         f"  tested: (self, do, fail, ...)\n  now: {found}"
     )
     client = Redis(retry=policy)

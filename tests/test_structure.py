@@ -102,7 +102,7 @@ def test_every_worker_module_is_in_a_stage_or_named_at_the_root() -> None:
     ("importer", "imported", "allowed"),
     [
         ("worker.queue.worker", "worker.render.renderer", True),
-        ("worker.render.renderer", "worker.queue.webhooks", False),
+        ("worker.render.renderer", "worker.queue.upkeep.webhooks", False),
         ("worker.memory.ladder", "worker.pipelines.families", False),
         ("worker.pipelines.loading", "worker.memory.ladder", True),
         ("worker.settings", "worker.memory.device", False),

@@ -27,7 +27,7 @@ from tests.conftest import kiln
 from tests.fixtures.gateway import call
 from tests.helpers import burst, client_for, make_renderer, make_worker
 from tests.support.images import encoded
-from worker.queue.publisher import Snapshot
+from worker.queue.upkeep.publisher import Snapshot
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 7}
 

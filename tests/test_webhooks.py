@@ -42,7 +42,7 @@ from tests.support.receivers import (
     targets,
 )
 from tests.workers import free_port, wait_until
-from worker.queue.webhooks import TIMEOUT_S, Dispatcher, delivery_id
+from worker.queue.upkeep.webhooks import TIMEOUT_S, Dispatcher, delivery_id
 from worker.settings import WebhooksInvalid, WebhookTarget, parse_targets
 
 OTHER_SECRET = "whsec_" + base64.b64encode(b"another-secret-0123456789abcdef!").decode()
@@ -118,7 +118,7 @@ def test_kilns_helper_accepts_what_the_stock_library_signs() -> None:
 def test_a_receiver_down_for_a_while_still_gets_the_delivery_once(
     redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.queue.webhooks")
+    caplog.set_level(logging.WARNING, logger="worker.queue.upkeep.webhooks")
     port = free_port()
     hooks = HookServer(port=port)
     dispatcher = sender(redis_conn, hooks.url, retries=(0.2,) * 20)
@@ -173,7 +173,7 @@ def test_a_hung_receiver_delays_only_its_own_target(redis_conn: Redis) -> None:
 def test_a_malformed_answer_is_retried_and_the_sender_lives_on(
     redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.queue.webhooks")
+    caplog.set_level(logging.WARNING, logger="worker.queue.upkeep.webhooks")
     malformed = MalformedReceiver()
     malformed.start()
     hooks = HookServer(port=malformed.port)  # the receiver fixed later, at the same address

@@ -29,7 +29,7 @@ from tests.conftest import ROOT
 from tests.helpers import burst, enqueue_raw
 from tests.support.receivers import SECRET, HookServer, job_event, published, sender, targets
 from tests.workers import free_port, wait_until
-from worker.queue.webhooks import delivery_id
+from worker.queue.upkeep.webhooks import delivery_id
 from worker.settings import Settings
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 2, "seed": 3}
@@ -92,7 +92,7 @@ def test_a_receiver_down_for_ten_minutes_then_up_gets_every_delivery(redis_conn:
 def test_after_its_last_try_a_delivery_is_a_dead_letter_that_kiln_webhooks_lists_and_resends(
     redis_conn: Redis, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="worker.queue.webhooks")
+    caplog.set_level(logging.ERROR, logger="worker.queue.upkeep.webhooks")
     hooks = HookServer()
     hooks.status, hooks.answer = 503, b"upstream down for maintenance"
     hooks.start()

@@ -27,7 +27,7 @@ from api_client.schema import JobEvent
 from tests.helpers import burst, client_for, make_renderer
 from tests.support.servers import LocalServer, QuietHandler
 from tests.workers import wait_until
-from worker.queue.webhooks import Dispatcher
+from worker.queue.upkeep.webhooks import Dispatcher
 from worker.render.renderer import Renderer
 from worker.settings import Settings, WebhookTarget
 
