@@ -5,7 +5,8 @@ Every path out of render() leaves exactly one timing record, created here and ha
 record listener; the result is built from that record (TimingRecord.result).
 
 Where a job runs (memory, rung, measurements, eviction) is the renderer's Planner's
-(worker.render.placement); what one job carries through the steps is its JobRun.
+(worker.render.placement); what one job carries through the steps is its JobRun
+(worker.render.job_run), built once here and handed down whole.
 
 Over 400 lines because the nine steps of one job and their helpers read in order, here."""
 
@@ -15,7 +16,6 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -33,7 +33,7 @@ from worker.files.store import Store, open_store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan, crash_point
-from worker.memory.ladder import GB, Ladder, RungChoice, RungMemory, is_oom
+from worker.memory.ladder import GB, Ladder, RungMemory, is_oom
 from worker.pipelines import control, reference, step_cache
 from worker.pipelines.compile import graphs_compiled
 from worker.pipelines.compile_cache import CompileCache, CompileRun, compile_key
@@ -42,39 +42,19 @@ from worker.pipelines.loading import load_pipeline, place_again, place_read
 from worker.pipelines.prefetch import Prefetcher
 from worker.pipelines.reference import ReferenceAdapter
 from worker.pipelines.resident import LoadedPipeline, PipelineCache, Rendered
-from worker.pipelines.step_cache import StepCacheDecision
 from worker.pipelines.switches import compile_fell_back
 from worker.pipelines.upscale import LoadedUpscaler, Upscalers, load_upscaler, upscale
 from worker.render.context import JobContext
-from worker.render.generate import DecodeRules, HiresUpscaler, apply_loras, generate
-from worker.render.inputs import InputReader, JobInputs
+from worker.render.generate import HiresUpscaler, apply_loras, generate
+from worker.render.inputs import InputReader
+from worker.render.job_run import JobRun, RungPlan
+from worker.render.passes import DecodeRules
 from worker.render.placement import Planner
 from worker.render.timings import Stopwatch, TimingRecord, emit
 from worker.settings import Settings, WebhookTarget, check_target, parse_targets
 
 log = logging.getLogger(__name__)
 RecordListener = Callable[[TimingRecord], None]
-
-
-@dataclass
-class JobRun:
-    """One job past its rung choice: what the load, reload and generate steps share, instead of
-    each handing the next the same arguments."""
-
-    ctx: JobContext
-    request: RenderRequest
-    manifest: Manifest
-    choice: RungChoice  # the rung planned and why (a reload is told its lower rung)
-    ladder: Ladder
-    watch: Stopwatch
-    record: TimingRecord
-    inputs: JobInputs  # img2img's, inpaint's, edit's and the controls' images
-    step_cache: StepCacheDecision  # whether its denoise reuses steps, and why
-
-    @property
-    def pin(self) -> bool | None:
-        """The request's compile pin (a replay's); None: this worker's compile policy."""
-        return self.request.compile
 
 
 class Renderer:
@@ -153,15 +133,17 @@ class Renderer:
                 return done
             # 4. An img2img, inpaint or controlled job's inputs, read and checked (sha256,
             #    format, size) and preprocessed before anything is loaded or evicted for it.
-            inputs = self.inputs.read(request, self.manifests[request.model], self.store)
+            manifest = self.manifests[request.model]
+            inputs = self.inputs.read(request, manifest, self.store)
+            job = JobRun(ctx, request, manifest, inputs, watch, record, started_at, digest)
             _checkpoint(ctx, "before loading")
             loaded: Rendered
             if self.manifests[request.model].family == "upscaler":
                 # 5-7. An upscaler: resident or loaded, run in tiles that halve on OOM.
-                images, loaded = self._upscale(request, inputs, ctx, watch, record)
+                images, loaded = self._upscale(job)
             else:
                 # 5-7. A rung, a load, a generate under the ladder's out-of-memory rules.
-                images, loaded = self._diffuse(request, inputs, ctx, watch, record)
+                images, loaded = self._diffuse(job)
             _checkpoint(ctx, "after decode")
             # 8. Encode, with the generation details inside each file; then confirm this run
             #    still holds the job (a stalled worker's lease may have lapsed) before writing.
@@ -172,7 +154,7 @@ class Renderer:
                 )
             ctx.confirm()
             # 9. Save the images, then result.json last, as the mark of a complete job.
-            result = self._save(ctx, watch, record, encoded, started_at, digest)
+            result = self._save(job, encoded)
             record.status = "done"
             return result
         except BaseException as exc:  # errors, stops, a job timeout (a BaseException by design)
@@ -203,46 +185,33 @@ class Renderer:
 
     # -- 5-7. a diffusion pipeline's job -------------------------------------------------------
 
-    def _diffuse(
-        self,
-        request: RenderRequest,
-        inputs: JobInputs,
-        ctx: JobContext,
-        watch: Stopwatch,
-        record: TimingRecord,
-    ) -> tuple[list[Image.Image], LoadedPipeline]:
+    def _diffuse(self, job: JobRun) -> tuple[list[Image.Image], LoadedPipeline]:
         """A rung: the request's pin (a replay's, a pinned ladder that never descends), else the
         planner's; the load; the generate. A cancel or a lost lease is taken at every phase
         boundary as well as at every denoising step."""
-        job = self._plan(request, ctx, watch, record, inputs)
-        with _named_pin(request, job.manifest.id, record.attempts):
+        plan = self._plan(job)
+        with _named_pin(job.request, job.manifest.id, job.record.attempts):
             # 6. Load: the resident pipeline if it serves the job, else a load.
             crash_point("load")
-            loaded = self._ensure_loaded(job, job.choice.rung)
-            _checkpoint(ctx, "after loading")
-            self.prefetcher.after_load(job.manifest.id, ctx.job_id)
+            loaded = self._ensure_loaded(job, plan.choice.rung)
+            _checkpoint(job.ctx, "after loading")
+            self.prefetcher.after_load(job.manifest.id, job.ctx.job_id)
             # 7. Generate: encode, denoise, decode under the ladder's out-of-memory rules.
             images, loaded = self._generate(job, loaded)
-        self.planner.remember(request, job.choice, record.attempts, loaded.rung)
+        self.planner.remember(job.request, plan.choice, job.record.attempts, loaded.rung)
         return images, loaded
 
-    def _upscale(
-        self,
-        request: RenderRequest,
-        inputs: JobInputs,
-        ctx: JobContext,
-        watch: Stopwatch,
-        record: TimingRecord,
-    ) -> tuple[list[Image.Image], LoadedUpscaler]:
+    def _upscale(self, job: JobRun) -> tuple[list[Image.Image], LoadedUpscaler]:
         """Mode upscale: the upscaler resident or loaded, the image through it in tiles."""
-        loaded, read = self._upscaler(request.model, watch)
+        record = job.record
+        loaded, read = self._upscaler(job.request.model, job.watch)
         if read:
             record.cold, record.load_source = True, "disk"
         record.ran_on(loaded)
-        _checkpoint(ctx, "after loading")
-        with watch.phase("upscale"):
-            ctx.progress("upscale", 0, 1)
-            image = inputs.sources["image"]
+        _checkpoint(job.ctx, "after loading")
+        with job.watch.phase("upscale"):
+            job.ctx.progress("upscale", 0, 1)
+            image = job.inputs.sources["image"]
             images = upscale(loaded, [image], record.attempts, self.faults, self.info)
         return images, loaded
 
@@ -281,23 +250,17 @@ class Renderer:
 
     # -- 5. the rung ----------------------------------------------------------------------------
 
-    def _plan(
-        self,
-        request: RenderRequest,
-        ctx: JobContext,
-        watch: Stopwatch,
-        record: TimingRecord,
-        inputs: JobInputs,
-    ) -> JobRun:
-        """The job's rung, ladder and step cache; a compile pin its rung cannot honour, or a step
-        cache this worker switched off, fails here."""
-        manifest = self.manifests[request.model]
+    def _plan(self, job: JobRun) -> RungPlan:
+        """The job's rung, ladder and step cache, kept on the job; a compile pin its rung cannot
+        honour, or a step cache this worker switched off, fails here."""
+        request, manifest, record = job.request, job.manifest, job.record
         cache = step_cache.decide(manifest, self.settings, request)
         ladder = Ladder(manifest.id, request.rung or self.settings.memory_mode, record.attempts)
         choice = self.planner.choose_rung(manifest, request)
         record.rung_reason = choice.reason
         record.planned_from = "measured" if choice.measured else "declared"
-        return JobRun(ctx, request, manifest, choice, ladder, watch, record, inputs, cache)
+        job.planned = RungPlan(choice, ladder, cache)
+        return job.planned
 
     # -- 6. load --------------------------------------------------------------------------------
 
@@ -317,7 +280,7 @@ class Renderer:
             kept = self.cache.ram.take(manifest.id)
             self.planner.make_room(manifest, at, job.request)
             # What a partial load splits its blocks by: memory now, and full's measured need.
-            room = (self.planner.usable_gb(reclaim=False), job.choice.full_need_gb)
+            room = (self.planner.usable_gb(reclaim=False), job.plan.choice.full_need_gb)
             pin = job.pin
             if kept is not None and (not kept.placed or self.planner.serves(kept, at, pin)):
                 record.load_source = "ram"
@@ -332,7 +295,7 @@ class Renderer:
         with job.watch.phase("load"):
             if resident is not None:
                 self.cache.evict(manifest.id, to_ram=False)
-            loaded = job.ladder.load(rung, load, reclaim=lambda: self.planner.free(keep=None))
+            loaded = job.plan.ladder.load(rung, load, reclaim=lambda: self.planner.free(keep=None))
         self.cache.put(loaded)
         return loaded
 
@@ -346,8 +309,9 @@ class Renderer:
         pipeline that decoded them."""
         reclaim = functools.partial(self._reclaim, job)
         reload = functools.partial(self._reload, job)
-        decode = functools.partial(job.ladder.decode, reclaim=reclaim, reload=reload)
-        return job.ladder.generate(
+        ladder = job.plan.ladder
+        decode = functools.partial(ladder.decode, reclaim=reclaim, reload=reload)
+        return ladder.generate(
             loaded,
             run=lambda on: self._attempt(job, on, decode),
             reclaim=reclaim,
@@ -377,7 +341,7 @@ class Renderer:
             ran_before, graphs_before = bool(loaded.warm_shapes), graphs_compiled()
             cfg = cfg_active(loaded.manifest.family, request.guidance or 0.0, request.true_cfg)
             size = (request.width or 0, request.height or 0)
-            loras = apply_loras(loaded, request, watch, record, self.info.streams)
+            loras = apply_loras(loaded, job, self.info.streams)
             controls = job.inputs.controls
             beside = []
             if controls:  # the ControlNets are the load's: read once, kept with the pipeline
@@ -394,16 +358,11 @@ class Renderer:
                 with slots:
                     images, decoded = generate(
                         loaded,
-                        request,
-                        job.ctx,
-                        watch,
-                        record,
+                        job,
                         info=self.info,
                         faults=self.faults,
                         store=self.store,
-                        inputs=job.inputs,
                         decode=decode,
-                        step_cache=job.step_cache,
                         controlnets=beside,
                         references=functools.partial(self._reference, job),
                         upscaler=self._hires_upscaler(job),
@@ -458,22 +417,15 @@ class Renderer:
 
     # -- 9. save ---------------------------------------------------------------------------------
 
-    def _save(
-        self,
-        ctx: JobContext,
-        watch: Stopwatch,
-        record: TimingRecord,
-        encoded: list[EncodedImage],
-        started_at: datetime,
-        digest: str,
-    ) -> RenderResult:
+    def _save(self, job: JobRun, encoded: list[EncodedImage]) -> RenderResult:
         """The images into the store, then the result built from the record, as result.json."""
-        with watch.phase("save"):
+        ctx, record = job.ctx, job.record
+        with job.watch.phase("save"):
             files = self.store.save_images(ctx.job_id, encoded)
         crash_point("save")
         _checkpoint(ctx, "after saving its images")
-        record.timings = watch.timings(ctx.queue_wait_s)
-        result = record.result(files, started_at, digest)
+        record.timings = job.watch.timings(ctx.queue_wait_s)
+        result = record.result(files, job.started_at, job.digest)
         self.store.write_result(result)
         return result
 
