@@ -69,9 +69,9 @@ OUTBOX_PREFIX = "kiln:webhooks:"  # kiln:webhooks:<target>:<part>, parts in OUTB
 OUTBOX_PARTS = ("entries", "due", "taken", "dead", "refused")
 OUTBOX_MAX = 10_000  # entries per target (waiting, in flight and dead); past it a write is refused
 # A job record's data inflated further is unreadable (a zlib bomb stops here), for its webhook
-# target and for the worker (worker/queue/upkeep/quarantine.py). The largest request kiln takes is five
-# inline images (image, mask, two controls, a reference) of 2 MB each, 2.7 MB as base64, with two
-# 4000-character prompts: under 14 MB. 16 MiB holds it.
+# target and for the worker (worker/queue/upkeep/quarantine.py). The largest request kiln takes
+# is five inline images (image, mask, two controls, a reference) of 2 MB each, 2.7 MB as base64,
+# with two 4000-character prompts: under 14 MB. 16 MiB holds it.
 MAX_DATA_BYTES = 16 * 2**20
 # The write, as a Lua function for scripts that commit a job's end (FINISH inlines it), called
 # as kiln_outbox_write(entries, due, refused, id, entry JSON, due at, bound): 1 written, 0 there

@@ -118,9 +118,8 @@ def test_every_dashboard_expression_names_what_a_live_worker_exports(
 
 def test_the_dashboard_shows_every_kiln_metric() -> None:
     """A metric added to worker/queue/upkeep/metrics.py without a panel fails here."""
-    declared = set(
-        re.findall(r'"(kiln_[a-z_]+)"', (ROOT / "worker" / "queue" / "upkeep" / "metrics.py").read_text())
-    )
+    metrics = ROOT / "worker" / "queue" / "upkeep" / "metrics.py"
+    declared = set(re.findall(r'"(kiln_[a-z_]+)"', metrics.read_text()))
     read = {
         re.sub(r"_(bucket|sum|count)$", "", metric)
         for _, query in dashboard_queries()

@@ -22,7 +22,6 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from redis import Redis
-from worker.queue.upkeep.backlog import default_request
 
 from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.inputs import MAX_PNG_CHUNKS
@@ -36,6 +35,7 @@ from tests.support.images import tiny_details
 from tests.support.records import log_lines, render_record
 from tests.workers import WorkerProcess, free_port, wait_until
 from worker.files.details import DETAILS_KEY, MAX_DEPTH
+from worker.queue.upkeep.backlog import default_request
 from worker.render.inputs import open_input
 
 MODEL = "tiny-sd15"

@@ -15,8 +15,8 @@ from api_client import KilnClient, RenderFailed
 from tests.conftest import kiln
 from tests.fixtures.gate import Gate
 from tests.workers import SLOW_MODEL, WorkerProcess, gated, slow_manifests, wait_until
-from worker.queue.upkeep import quarantine
 from worker.queue.job import poison_reason
+from worker.queue.upkeep import quarantine
 
 # A 5 s lease (heartbeat and sweep every 1.25 s): each death is found in seconds.
 LEASE_S = 5

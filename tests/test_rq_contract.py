@@ -541,9 +541,10 @@ def test_every_rq_hook_kiln_overrides_is_recorded_here() -> None:
 
 
 def test_redis_retry_still_has_what_watched_retry_wraps() -> None:
-    """worker/queue/upkeep/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned to a
-    line): it copies the policy's private fields, wraps call_with_retry's first two parameters and
-    forwards the rest, and relies on each new connection deep-copying the client's policy."""
+    """worker/queue/upkeep/pulse.py WatchedRetry subclasses redis-py's Retry (redis is not pinned
+    to a line): it copies the policy's private fields, wraps call_with_retry's first two
+    parameters and forwards the rest, and relies on each new connection deep-copying the client's
+    policy."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry as RedisRetry
 

@@ -12,13 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# crash_point, CRASH_POINTS and CRASH_STATUS are re-exported only until render/ and the tests
-# import them from worker.crashes (issue 37's move; the lead drops this line then).
-from worker.crashes import CRASH_POINTS, CRASH_STATUS, crash_entry, crash_point
+from worker.crashes import crash_entry
 from worker.errors import InvalidFaults
 from worker.memory import rungs
-
-__all__ = ["CRASH_POINTS", "CRASH_STATUS", "FAULT_PHASES", "FaultPlan", "crash_point"]
 
 FAULT_PHASES = ("load", "text_encode", "denoise", "decode", "upscale")
 _ENTRY = re.compile(

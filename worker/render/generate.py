@@ -20,11 +20,12 @@ from PIL import Image
 
 from api_client.resolve import hires_size
 from api_client.schema import RenderRequest
+from worker.crashes import crash_point
 from worker.errors import JobStopped
 from worker.files.store import Store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
-from worker.memory.faults import FaultPlan, crash_point
+from worker.memory.faults import FaultPlan
 from worker.pipelines import control, reference
 from worker.pipelines.adapters import AdapterRefused
 from worker.pipelines.families import Prompt, cfg_active, decode_preview
@@ -219,7 +220,7 @@ def hires_latents(
     import torch.nn.functional as F
 
     pipe = loaded.pipe
-    if latents.ndim == 3:  # packed tokens (FLUX.1)
+    if loaded.manifest.family_row.packed_latents:  # 2x2 patch tokens (FLUX.1)
         latents = pipe._unpack_latents(latents, base[1], base[0], pipe.vae_scale_factor)
     scale = pipe.vae_scale_factor
     cells = (size[1] // scale, size[0] // scale)

@@ -244,7 +244,7 @@ class InputReader:
 
     @functools.cached_property
     def redis(self) -> Redis:
-        return connect(self.settings.redis_url)
+        return connect(self.settings.redis_url, ride_out_restarts=True)
 
     def read(self, request: RenderRequest, manifest: Manifest, store: Store) -> JobInputs:
         """The inputs as the pipeline takes them (image, mask_image), the controls with their

@@ -19,7 +19,8 @@ from PIL import Image
 
 from api_client.resolve import hires_size
 from api_client.schema import RenderRequest
-from worker.memory.faults import FaultPlan, crash_point
+from worker.crashes import crash_point
+from worker.memory.faults import FaultPlan
 from worker.pipelines import control
 from worker.pipelines.resident import LoadedPipeline
 from worker.pipelines.vae import tiled

@@ -135,7 +135,7 @@ class Planner:
         and while any model's need is only the manifest's estimate (that one is tried)."""
         needs = {}
         for manifest in self.manifests.values():
-            if manifest.benchmark_only or manifest.family == "upscaler":
+            if manifest.benchmark_only or manifest.family_row.tiles:
                 continue  # an upscaler halves its tiles to fit: it never blocks the worker
             need = lowest_need_gb(self.peaks, manifest.id)
             if need is None:  # an estimate only: no memory probe before every dequeue
@@ -174,7 +174,7 @@ class Planner:
     def peaks(self) -> PeakBook:
         """This card kind's measurements, read from Redis at the first job that plans a rung."""
         try:
-            connection: Redis | None = connect(self.settings.redis_url)
+            connection: Redis | None = connect(self.settings.redis_url, ride_out_restarts=True)
         except Exception as exc:  # no Redis: this process's own measurements only
             log.warning("peaks: no Redis (%s)", exc)
             connection = None

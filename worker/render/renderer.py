@@ -26,13 +26,14 @@ from api_client.errors import short
 from api_client.manifest import Manifest
 from api_client.resolve import check_servable, check_upscaler, resolve_request
 from api_client.schema import Attempt, RenderRequest, RenderResult, Rung, request_digest
+from worker.crashes import crash_point
 from worker.errors import FatalWorkerError, JobStopped, LeaseLost, OutOfMemory, device_lost
 from worker.files import output
 from worker.files.output import EncodedImage
 from worker.files.store import Store, open_store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
-from worker.memory.faults import FaultPlan, crash_point
+from worker.memory.faults import FaultPlan
 from worker.memory.ladder import GB, Ladder, RungMemory, is_oom
 from worker.pipelines import control, reference, step_cache
 from worker.pipelines.compile import graphs_compiled
@@ -138,7 +139,7 @@ class Renderer:
             job = JobRun(ctx, request, manifest, inputs, watch, record, started_at, digest)
             _checkpoint(ctx, "before loading")
             loaded: Rendered
-            if self.manifests[request.model].family == "upscaler":
+            if self.manifests[request.model].family_row.tiles:
                 # 5-7. An upscaler: resident or loaded, run in tiles that halve on OOM.
                 images, loaded = self._upscale(job)
             else:

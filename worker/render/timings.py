@@ -201,7 +201,7 @@ class TimingRecord(BaseModel):
     @classmethod
     def recovered(cls, result: RenderResult) -> TimingRecord:
         """The record a worker that died right after committing the job's end did not publish:
-        its render's, from the result the commit holds (worker/queue/sweep.py)."""
+        its render's, from the result the commit holds (worker/queue/upkeep/sweep.py)."""
         shared = {name: getattr(result, name) for name in RESULT_FIELDS}
         return cls(**shared, status="done", num_images=len(result.images))
 
