@@ -11,7 +11,8 @@ from typing import Any
 from redis import Redis
 
 from api_client import events, keys
-from api_client.http.hub import EventHub, connect_async
+from api_client.connection import connect_async
+from api_client.http.hub import EventHub
 from api_client.schema import JobEvent
 
 
