@@ -22,9 +22,9 @@ from redis import Redis
 
 from api_client import keys
 from api_client.http.tokens import Tokens
-from api_client.schema import WorkerState
 from tests.fixtures.gateway import call
 from tests.helpers import burst, client_for, make_renderer
+from tests.support.fleet import live_worker
 
 MODEL = "tiny-sd15"
 KILN = {"seed": 7, "steps": 2}
@@ -33,25 +33,9 @@ KILN = {"seed": 7, "steps": 2}
 @pytest.fixture
 def sdk(gateway: Any, redis_conn: Redis) -> openai.OpenAI:
     """The SDK pointed at the gateway with a jobs token as its API key, no retries."""
-    live(redis_conn, [MODEL])
+    live_worker(redis_conn, [MODEL])
     key = Tokens(redis_conn).create("webui")
     return openai.OpenAI(base_url=gateway.url + "/openai/v1", api_key=key, max_retries=0)
-
-
-def live(conn: Redis, models: list[str]) -> None:
-    state = WorkerState(
-        name="gpu-0",
-        models=models,
-        resident=[],
-        device="cpu",
-        device_name="cpu",
-        state="idle",
-        heartbeat=time.time(),
-        pid=1,
-        host="box",
-    )
-    conn.set(keys.worker_key("gpu-0"), state.model_dump_json(), ex=120)
-    conn.zadd(keys.WORKERS_KEY, {"gpu-0": time.time()})
 
 
 def rendered(conn: Redis, settings: Any, work: Callable[[], Any]) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ import pytest
 from redis import Redis
 
 from api_client import keys
-from api_client.schema import WorkerState
 from tests.fixtures.gateway import call
 from tests.helpers import client_for
+from tests.support.fleet import live_worker
 from tests.test_page import (
     MODEL,
     By,
@@ -35,25 +34,8 @@ from tests.test_page import (
 FIXTURES = (browser, page, work)  # tests/test_page.py's, which pytest hands in by name
 
 
-def live(conn: Redis, models: list[str]) -> None:
-    """A live worker's state, as its heartbeat writes it."""
-    state = WorkerState(
-        name="gpu-0",
-        models=models,
-        resident=[],
-        device="cpu",
-        device_name="cpu",
-        state="idle",
-        heartbeat=time.time(),
-        pid=1,
-        host="box",
-    )
-    conn.set(keys.worker_key("gpu-0"), state.model_dump_json(), ex=120)
-    conn.zadd(keys.WORKERS_KEY, {"gpu-0": time.time()})
-
-
 def test_the_page_opens_on_a_served_model(page: Any, gateway: Any, redis_conn: Redis) -> None:
-    live(redis_conn, [MODEL])
+    live_worker(redis_conn, [MODEL])
     page.get(f"{gateway.url}/?token={gateway.token}")
     select = wait(page, lambda d: d.find_element(By.NAME, "model"), "the form")
     wait(page, lambda d: Select(select).first_selected_option.get_attribute("value"), "a model")

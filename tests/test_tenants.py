@@ -26,6 +26,7 @@ from api_client.schema import WorkerState
 from tests.conftest import kiln
 from tests.fixtures.gateway import call
 from tests.helpers import burst, client_for, make_renderer, make_worker
+from tests.support.fleet import live_worker
 from tests.support.images import encoded
 from worker.queue.upkeep.publisher import Snapshot
 
@@ -155,21 +156,7 @@ def test_uploads_are_their_makers_alone(gateway: Any, redis_conn: Redis) -> None
 
 def test_workers_name_running_jobs_to_admin_only(gateway: Any, redis_conn: Redis) -> None:
     alice = Tokens(redis_conn).create("alice")
-    # A worker's published state, as a live one writes it with its heartbeat.
-    state = WorkerState(
-        name="gpu-0",
-        models=["tiny-sd15"],
-        resident=["tiny-sd15"],
-        device="cuda",
-        device_name="L4",
-        state="busy",
-        heartbeat=time.time(),
-        pid=1,
-        host="box",
-        running="someone-elses-job",
-    )
-    redis_conn.set(keys.worker_key("gpu-0"), state.model_dump_json(), ex=60)
-    redis_conn.zadd(keys.WORKERS_KEY, {"gpu-0": time.time()})
+    live_worker(redis_conn, ["tiny-sd15"], running="someone-elses-job")
     status, _, body = call("GET", gateway.url + "/v1/workers", alice)
     [shown] = json.loads(body)["workers"]
     assert status == 200 and shown["state"]["running"] is None and b"someone-elses" not in body
@@ -400,19 +387,7 @@ def test_a_job_for_a_model_no_worker_serves_says_so_at_once(
         "no live worker serves tiny-sd15 now: the job waits in its queue until one starts"
         " (kiln worker --models tiny-sd15)"
     ]
-    live = WorkerState(
-        name="gpu-0",
-        models=["tiny-sd15"],
-        resident=[],
-        device="cpu",
-        device_name="cpu",
-        state="idle",
-        heartbeat=time.time(),
-        pid=1,
-        host="box",
-    )
-    redis_conn.set(keys.worker_key("gpu-0"), live.model_dump_json(), ex=60)
-    redis_conn.zadd(keys.WORKERS_KEY, {"gpu-0": time.time()})
+    live_worker(redis_conn, ["tiny-sd15"])
     status, created = submit(gateway, tenant, {**REQUEST, "seed": 8})
     assert status == 201 and created["served"] is True and created["warnings"] == []
 

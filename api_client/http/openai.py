@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api_client.client import KilnClient
 from api_client.errors import RequestRejected
@@ -131,15 +131,7 @@ async def generate(request: Request, who: Annotated[Caller, Depends(caller)]) ->
     previews) then one completed event an image."""
     body = await _json_object(request)
     call = await run_in_threadpool(_submit, request, who, body)
-    if call.stream:
-        return StreamingResponse(
-            _stream(request, call, "image_generation"),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
-    result = await _result(request, call.job_id)
-    data = await run_in_threadpool(_images, request, call, result, call.b64)
-    return JSONResponse(_response(call, data), headers={"Cache-Control": "no-store"})
+    return await _answer(request, call, "image_generation")
 
 
 @router.post("/images/edits", response_model=None)
@@ -150,9 +142,15 @@ async def edit(request: Request, who: Annotated[Caller, Depends(caller)]) -> Any
     follows kiln (white is repainted)."""
     body, files = await _form(request)
     call = await run_in_threadpool(_submit_edit, request, who, body, files)
+    return await _answer(request, call, "image_edit")
+
+
+async def _answer(request: Request, call: Call, kind: str) -> Response:
+    """The call's answer once its job ends, or its event stream (kind: image_generation or
+    image_edit, the events' type prefix)."""
     if call.stream:
         return StreamingResponse(
-            _stream(request, call, "image_edit"),
+            _stream(request, call, kind),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
