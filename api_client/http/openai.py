@@ -33,7 +33,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api_client.client import KilnClient
-from api_client.errors import RequestRejected
 from api_client.fetch import FetchFailed, fetch_image
 from api_client.http import held
 from api_client.http.auth import caller
@@ -97,13 +96,6 @@ def error(
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers or None)
-
-
-def refused(exc: RequestRejected) -> JSONResponse:
-    """A kiln refusal as OpenAI's 400: the first field broken is the param, every rule in the
-    message."""
-    first = exc.problems[0].field if exc.problems else None
-    return error(400, str(exc), param(first), "invalid_value")
 
 
 # -- routes --------------------------------------------------------------------------------------
