@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api_client.errors import Problem, RequestRejected, short
+from api_client.samplers import Sampler, Sigmas
 
 OutputFormat = Literal["png", "webp", "jpeg"]
 PHASES: tuple[str, ...] = (
@@ -126,6 +127,10 @@ class RenderRequest(BaseModel):
     reference: ReferenceChoice | None = None
     # A second, larger pass after the first (HiresRequest).
     hires: HiresRequest | None = None
+    # The sampler and its noise schedule (api_client.samplers: ComfyUI's names), from those its
+    # model takes; None: the manifest's scheduler, at its own sigmas.
+    sampler: Sampler | None = None
+    sigmas: Sigmas | None = None
     num_images: int = 1
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
