@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	KILN_MODELS_DIR="$(CURDIR)/models" KILN_OUTPUT_DIR="$(CURDIR)/outputs" $(PY) bench/demo.py
+	$(PY) bench/demo.py
 
 test: $(STAMP)
 	$(SERIAL)

@@ -61,7 +61,8 @@ def weights_source(
         path = as_path if as_path.is_absolute() else models_dir / as_path
         if not (path / marker).is_file():
             hint = (
-                " (build it: `kiln tiny-models`)"
+                f" (build it: `kiln tiny-models` writes the tiny models into KILN_MODELS_DIR,"
+                f" now {models_dir}; where they were built elsewhere, set KILN_MODELS_DIR there)"
                 if manifest.id.startswith("tiny-")
                 else f" (build it as manifests/{manifest.id}.yaml describes, with save_pretrained)"
             )
