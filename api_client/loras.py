@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import re
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api_client.errors import Problem, named_entries
+from api_client.model_files import refuse_pickle
 from api_client.schema import MAX_LORAS, LoraChoice
 
 LORA_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -33,6 +34,24 @@ class LoraSpec(BaseModel):
     # max_rank of the manifest, so swapping never changes a tensor's shape (no recompile).
     max_rank: int = Field(ge=1, le=1024)
     default_weight: float = Field(default=1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT)
+
+    @model_validator(mode="after")
+    def _one_safetensors_file(self) -> LoraSpec:
+        """Never a pickle; a source that is the file itself (kohya / A1111, as Civitai serves
+        them) takes no weight_name."""
+        refuse_pickle("source", self.source)
+        refuse_pickle("weight_name", self.weight_name)
+        if self.is_file and "weight_name" in self.model_fields_set:
+            raise ValueError(
+                f"weight_name {self.weight_name!r}: source {self.source!r} names the file"
+                " itself; weight_name picks a file in a directory source"
+            )
+        return self
+
+    @property
+    def is_file(self) -> bool:
+        """Whether source names the adapter's file itself rather than a directory."""
+        return self.source.lower().endswith(".safetensors")
 
 
 def check_lora_names(loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:

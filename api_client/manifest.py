@@ -25,6 +25,7 @@ from api_client.controls import ControlNetSpec, check_control_names, control_ref
 from api_client.errors import Problem
 from api_client.families import FAMILIES, Family, FamilyRow, families_with, family_row
 from api_client.loras import LoraSpec, check_lora_names
+from api_client.model_files import ComponentFile, check_components, source_refusal
 from api_client.references import IPAdapterSpec, reference_refusal
 from api_client.schema import (
     Mode,
@@ -171,6 +172,9 @@ class Manifest(_Strict):
     family: Family
     source: str = Field(min_length=1)
     revision: str | None = None
+    # Where a source that is one checkpoint file gets the configs and tokenizers it lacks: a
+    # diffusers repo id or a local directory (api_client.model_files).
+    config: str | None = Field(default=None, min_length=1)
     variant: str | None = None
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     scheduler: Scheduler | None = None
@@ -190,6 +194,8 @@ class Manifest(_Strict):
     # figures with nothing quantized, and the ladder counts each component at the precision and
     # quantization this card gives it (worker.memory.ladder.rung_need_gb).
     component_gb: dict[str, float] = Field(default_factory=dict)
+    # Components read from their own file (safetensors or GGUF) instead of the source's.
+    components: dict[str, ComponentFile] = Field(default_factory=dict)
     # Component -> schemes in order of preference; the first the card can run is used.
     quantize: dict[str, list[QuantScheme]] = Field(default_factory=dict)
     compile: Literal["auto", "required", "off"] = "auto"
@@ -247,6 +253,9 @@ class Manifest(_Strict):
         """A family run from one weights file names its scale and that file; a pipeline lists
         at least one resolution."""
         files = self.family_row.weights_files
+        why = source_refusal(self.source, self.config, bool(files))
+        if why is not None:
+            raise ValueError(why)
         if not files:
             if not self.resolutions:
                 raise ValueError("resolutions: a diffusion model lists at least one size")
@@ -260,6 +269,11 @@ class Manifest(_Strict):
                 " one, or owner/repo/file on the hub"
             )
         return self
+
+    @field_validator("components")
+    @classmethod
+    def _component_files(cls, components: dict[str, ComponentFile]) -> dict[str, ComponentFile]:
+        return check_components(components)
 
     @field_validator("loras")
     @classmethod

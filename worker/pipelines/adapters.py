@@ -40,8 +40,10 @@ import torch
 
 from api_client.loras import LoraSpec, slot_count
 from api_client.manifest import Manifest
+from api_client.model_files import refuse_pickle
 from api_client.schema import LoraChoice
 from worker.manifest import weights_source
+from worker.pipelines.single_file import hub_or_local_file, offline
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +91,11 @@ def read_adapter(
     from safetensors.torch import load_file
 
     where = f"model {manifest.id}: lora {name}"
-    source = weights_source(manifest, models, source=spec.source, marker=spec.weight_name)
-    if source.local:
-        path = Path(source.location) / spec.weight_name
-    else:
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(source.location, spec.weight_name, revision=spec.revision))
+    path = adapter_path(manifest, name, spec, models)
+    refuse_pickle(f"{where}: file", path.name)
     raw = load_file(path)
+    # diffusers' lora_state_dict converts kohya / A1111 key names (lora_unet_..., lora_te_...,
+    # .lora_down/.lora_up/.alpha) for SD1.5, SDXL and FLUX as it converts peft's.
     converted = pipeline_cls.lora_state_dict(dict(raw))
     state = converted[0] if isinstance(converted, tuple) else converted
     foreign = sorted(k for k in state if not k.startswith(f"{denoiser}."))
@@ -113,6 +112,24 @@ def read_adapter(
     if rank > spec.max_rank:
         raise AdapterRefused(f"{where}: has rank {rank}, above its max_rank {spec.max_rank}")
     return AdapterFile(name, raw, shapes, rank)
+
+
+def adapter_path(manifest: Manifest, name: str, spec: LoraSpec, models: Path) -> Path:
+    """The adapter's safetensors file: source itself (a kohya / A1111 file, on this disk or
+    owner/repo/file on the hub), or weight_name in source's directory or hub repo."""
+    if spec.is_file:
+        where = f"model {manifest.id}: loras.{name}.source"
+        return hub_or_local_file(spec.source, models, spec.revision, where)
+    source = weights_source(manifest, models, source=spec.source, marker=spec.weight_name)
+    if source.local:
+        return Path(source.location) / spec.weight_name
+    from huggingface_hub import hf_hub_download
+
+    return Path(
+        hf_hub_download(
+            source.location, spec.weight_name, revision=spec.revision, local_files_only=offline()
+        )
+    )
 
 
 @dataclass

@@ -13,7 +13,6 @@ import torch
 
 from api_client.manifest import Manifest
 from api_client.schema import Rung, SettingsReport
-from worker.manifest import weights_source
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan
@@ -24,6 +23,7 @@ from worker.pipelines.adapters import AdapterSlots
 from worker.pipelines.families import check_installed, spec_for
 from worker.pipelines.quantize import pick_schemes
 from worker.pipelines.resident import DTYPES, LoadedPipeline, host_bytes
+from worker.pipelines.single_file import read_weights, refuse_pickles
 from worker.pipelines.switches import apply_compile, apply_rung_switches, apply_switches, switch
 from worker.pipelines.vae import load_vae_override, upcast_before_placement
 from worker.settings import Settings
@@ -96,8 +96,8 @@ def read_pipeline(manifest: Manifest, info: DeviceInfo, settings: Settings) -> L
     quantization, the switches that do not depend on the rung, LoRA slots and the VAE upcast.
     Nothing touches the device, so the prefetcher (worker.pipelines.prefetch) runs it in a thread
     beside a render. The pipeline is not placed: its rung is chosen when a job takes it."""
-    # 1. Resolve the weights and precision.
-    source = weights_source(manifest, settings.models_dir)
+    # 1. Resolve the weights (never a pickle) and precision.
+    refuse_pickles(manifest)
     dtype, dtype_reason = choose_dtype(manifest, info)
     report = SettingsReport()
     report.add("applied", "precision", dtype_reason)
@@ -112,14 +112,19 @@ def read_pipeline(manifest: Manifest, info: DeviceInfo, settings: Settings) -> L
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
     pipeline_cls = getattr(diffusers, loaded.spec.pipeline_class)
-    kwargs: dict[str, Any] = {"dtype": dtype, **loaded.spec.load_kwargs()}
+    # use_safetensors: a repository's .bin weights (pickles) are never a fallback.
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True}
+    kwargs.update(loaded.spec.load_kwargs())
     if manifest.revision:
         kwargs["revision"] = manifest.revision
-    if manifest.variant and not source.local:
-        kwargs["variant"] = manifest.variant
     if manifest.vae is not None:
         kwargs["vae"] = load_vae_override(manifest, settings.models_dir, dtype)
-    pipe = loaded.pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
+    # From a diffusers layout, one checkpoint file, or components from their own files.
+    read = read_weights(pipeline_cls, manifest, settings.models_dir, kwargs)
+    pipe = loaded.pipe = read.pipe
+    loaded.quantized.update(read.quantized)
+    for note in read.notes:
+        report.add("applied", "weights", note)
     pipe.set_progress_bar_config(disable=True)
     # 3. Scheduler, quantization, switches: each reports what it did.
     _set_scheduler(pipe, manifest)
