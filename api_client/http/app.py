@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api_client.client import KilnClient
 from api_client.connection import connect_async
 from api_client.errors import Problem, RequestRejected, UnknownJob, short
-from api_client.http import openai, options, routes
+from api_client.http import a1111, dialect, openai, options, routes
 from api_client.http.asgi import echo, text
 from api_client.http.auth import COOKIE, caller
 from api_client.http.body import MAX_PROBLEMS
@@ -106,6 +106,7 @@ def create_app(settings: ApiSettings, client: KilnClient | None = None) -> FastA
     private = APIRouter(dependencies=[Depends(caller)])
     private.include_router(routes.router)
     app.include_router(openai.router)
+    app.include_router(a1111.router)
     _private(private, app)
     app.include_router(private)
     return app
@@ -143,10 +144,12 @@ def answer(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """A refusal in the caller's dialect: OpenAI's error object under /openai/v1 (a kiln 422 is
-    its 400, the first field broken its param), else problem+json."""
+    its 400, the first field broken its param), A1111's under /sdapi/v1, else problem+json."""
     if openai.speaks(request):
         param = openai.param(problems[0].field) if problems else None
         return openai.error(400 if status == 422 else status, detail, param, headers=headers)
+    if a1111.speaks(request):
+        return a1111.error(status, title, detail, problems, headers=headers)
     return problem(status, title, detail, problems, headers)
 
 
@@ -218,9 +221,11 @@ def _errors(app: FastAPI) -> None:
             request, 503, "Redis unreachable", "the gateway cannot reach Redis; try again"
         )
 
-    @app.exception_handler(openai.Refused)
-    async def dialect_refused(request: Request, exc: openai.Refused) -> JSONResponse:
-        return openai.error(exc.status, str(exc), exc.param, exc.code)
+    @app.exception_handler(dialect.Refused)
+    async def dialect_refused(request: Request, exc: dialect.Refused) -> JSONResponse:
+        if a1111.speaks(request):
+            return a1111.error(exc.status, exc.code or "Refused", str(exc))
+        return openai.error(exc.status, str(exc), exc.field, exc.code)
 
 
 def _field(loc: Any) -> str:

@@ -33,9 +33,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api_client.client import KilnClient
-from api_client.fetch import FetchFailed, fetch_image
-from api_client.http import held
+from api_client.http import dialect, held
 from api_client.http.auth import caller
+from api_client.http.dialect import Refused
 from api_client.http.tokens import Caller
 from api_client.manifest import Manifest
 from api_client.schema import JobEvent, RenderRequest, RenderResult
@@ -68,16 +68,6 @@ TYPES |= {404: "invalid_request_error", 409: "invalid_request_error", 413: "inva
 TYPES |= {415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False, dependencies=[Depends(caller)])
-
-
-class Refused(Exception):
-    """A call refused in OpenAI's words: status, message, the field (param) and a code."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
 
 
 def speaks(request: Request) -> bool:
@@ -121,7 +111,7 @@ async def generate(request: Request, who: Annotated[Caller, Depends(caller)]) ->
     """Render the prompt as a kiln job and answer when it ends: every image as b64_json or an
     absolute gateway URL; with stream, Server-Sent Events of partial images (the worker's
     previews) then one completed event an image."""
-    body = await _json_object(request)
+    body = await dialect.json_object(request)
     call = await run_in_threadpool(_submit, request, who, body)
     return await _answer(request, call, "image_generation")
 
@@ -146,7 +136,7 @@ async def _answer(request: Request, call: Call, kind: str) -> Response:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
-    result = await _result(request, call.job_id)
+    result = await dialect.result(request, call.job_id)
     data = await run_in_threadpool(_images, request, call, result, call.b64)
     return JSONResponse(_response(call, data), headers={"Cache-Control": "no-store"})
 
@@ -171,29 +161,15 @@ class Call:
 
 def _submit(request: Request, who: Caller, body: dict[str, Any]) -> Call:
     """The body as a RenderRequest, submitted for the caller (tenancy and quotas as on /v1)."""
-    from api_client.http import routes
-
     client: KilnClient = request.app.state.client
     manifest = _manifest(client, body.get("model"))
     mapped = to_request(body, manifest)
-    _require_worker(client, manifest)
-    job, _ = routes.submit_for(request, who, RenderRequest.parse(mapped), None)
+    dialect.require_served(client, manifest.id)
+    job = dialect.submit(request, who, mapped)
     width, height = mapped.get("width"), mapped.get("height")
     if (width is None or height is None) and manifest.resolutions:
         width, height = manifest.default_size
     return Call(job.id, body, f"{width}x{height}", mapped.get("output_format", "png"))
-
-
-def _require_worker(client: KilnClient, manifest: Manifest) -> None:
-    """A call for a model no live worker serves is answered now, not held for a worker that may
-    never come."""
-    if not held.served_now(client, manifest.id):
-        raise Refused(
-            503,
-            f"no live worker serves model {manifest.id!r} now: its jobs would wait for one",
-            "model",
-            "model_not_served",
-        )
 
 
 def to_request(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
@@ -270,24 +246,7 @@ def param(field: str | None) -> str | None:
     return {"num_images": "n", "width x height": "size"}.get(field or "", field)
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise Refused(400, "the body must be a JSON object", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise Refused(400, "the body must be a JSON object", None, "invalid_json")
-    return body
-
-
 # -- waiting and answering -----------------------------------------------------------------------
-
-
-async def _result(request: Request, job_id: str) -> RenderResult:
-    try:
-        return await held.result(request, job_id)
-    except held.EndedWithout as exc:
-        raise Refused(500, str(exc)) from None
 
 
 def _images(request: Request, call: Call, result: RenderResult, b64: bool) -> list[dict[str, Any]]:
@@ -298,10 +257,7 @@ def _images(request: Request, call: Call, result: RenderResult, b64: bool) -> li
         if not b64:
             data.append({"url": f"{base}/v1/jobs/{call.job_id}/images/{n}", "revised_prompt": None})
             continue
-        try:
-            raw = fetch_image(image)
-        except FetchFailed as exc:
-            raise Refused(500, f"job {call.job_id}'s image {n} cannot be read: {exc}") from None
+        raw = dialect.image_bytes(call.job_id, n, image)
         data.append({"b64_json": base64.b64encode(raw).decode(), "revised_prompt": None})
     return data
 
@@ -434,7 +390,7 @@ def _submit_edit(
 ) -> Call:
     """The edit as a kiln job: its image (and mask) kept as the caller's uploads, the mode from
     the manifest and the mask."""
-    from api_client.http import routes, tenancy
+    from api_client.http import tenancy
 
     client: KilnClient = request.app.state.client
     images = files.get("image", [])
@@ -459,8 +415,8 @@ def _submit_edit(
         mapped["mask"] = tenancy.keep_upload(mask, "mask", who, client, quotas)[0]
     if "mode" not in body:
         mapped["mode"] = "edit" if "edit" in manifest.modes else _img_mode(mapped)
-    _require_worker(client, manifest)
-    job, _ = routes.submit_for(request, who, RenderRequest.parse(mapped), None)
+    dialect.require_served(client, manifest.id)
+    job = dialect.submit(request, who, mapped)
     size = f"{mapped['width']}x{mapped['height']}"
     return Call(job.id, body, size, mapped.get("output_format", "png"))
 
