@@ -197,7 +197,7 @@ def read(body: dict[str, Any], manifest: Manifest, img2img: bool) -> Reading:
     mapped["num_images"] = _count(body, "batch_size") * _count(body, "n_iter")
     sampler_name, scheduler = _sampler(body, mapped)
     if body.get("enable_hr") is True and not img2img:
-        mapped["hires"] = _hires(body, manifest)
+        mapped["hires"] = _hires(body)
     elif body.get("enable_hr") not in (None, False):
         raise refuse("enable_hr", f"{body['enable_hr']!r}: must be true or false (txt2img only)")
     if manifest.taesd:
@@ -285,7 +285,7 @@ def _sampler(body: dict[str, Any], mapped: dict[str, Any]) -> tuple[str | None, 
     return name, scheduler
 
 
-def _hires(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+def _hires(body: dict[str, Any]) -> dict[str, Any]:
     """enable_hr's fields as kiln's hires pass: hr_scale, denoising_strength, hr_second_pass_steps
     (0: kiln's default) and hr_upscaler (Latent, or an upscaler manifest's id)."""
     for name, same in HIRES_SAME.items():
@@ -301,10 +301,8 @@ def _hires(body: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     if body.get("hr_second_pass_steps"):
         hires["steps"] = body["hr_second_pass_steps"]
     upscaler = body.get("hr_upscaler") or LATENT
-    if upscaler == LATENT:
-        hires["upscaler"] = "latent"
-    elif upscaler != manifest.id:
-        hires["upscaler"] = upscaler  # an upscaler manifest's id; kiln's check names the rest
+    # Latent, or an upscaler manifest's id: kiln's check names any other (R-ESRGAN 4x+, None).
+    hires["upscaler"] = "latent" if upscaler == LATENT else upscaler
     return hires
 
 
@@ -335,8 +333,8 @@ def decode(value: Any, field: str) -> bytes:
         raise refuse(field, "kiln fetches no URL: send the image as base64 or a data: URL")
     if value.startswith("data:"):
         value = value.partition(",")[2]
-    try:
-        return base64.b64decode(value, validate=True)
+    try:  # base64 wrapped in lines, as some clients send it, is the same image
+        return base64.b64decode("".join(value.split()), validate=True)
     except (binascii.Error, ValueError):
         raise refuse(field, "is not valid base64") from None
 
