@@ -10,14 +10,12 @@ from typing import get_args
 
 from api_client.families import FAMILIES, Family
 from tests.conftest import ROOT
-from worker.pipelines.families import SPECS
+from worker.pipelines.families import SPECS, tiny_models
 
 NAMES = frozenset(get_args(Family))
 # The modules that may hold a family table: the row's and the worker's.
 TABLES = {"api_client/families.py", "worker/pipelines/families.py"}
 MOST_COMPARISONS = 2  # issue 37: at most two comparisons against a family name remain
-# The tiny builders keep a table a tiny model each until they are rows of their own (issue 37).
-TINY = "worker/pipelines/tiny/"
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -93,7 +91,7 @@ def test_family_tables_live_in_two_modules() -> None:
     tables = {
         path: names
         for path, tree in _sources().items()
-        if (names := family_tables(tree)) and not path.startswith(TINY)
+        if (names := family_tables(tree))
     }
     assert set(tables) <= TABLES, {p: n for p, n in tables.items() if p not in TABLES}
     assert "Family" in tables["api_client/families.py"]  # the alias beside its table
@@ -135,6 +133,21 @@ def test_every_family_has_one_row_and_every_pipeline_family_its_spec() -> None:
         rule = row.control_rule
         served = set(spec.control.pipelines) if spec.control is not None else set()
         assert served == set(rule.modes if rule is not None else ()), name
+
+
+def test_every_family_brings_its_tiny_model_in_its_row() -> None:
+    """A family's tiny builder, TAESD and ControlNets are its worker row's (FamilySpec.tiny, or a
+    weights-file family's in WEIGHTS_FILE_TINIES): each family has one, and ControlNets only
+    where its spec runs them."""
+    tinies = tiny_models()
+    served = {spec.tiny.name for spec in SPECS.values() if spec.tiny is not None}
+    assert NAMES - {"sd2"} <= set(tinies) and served <= set(tinies)  # sd2 renders with sd15's
+    assert SPECS["sd2"] is SPECS["sd15"]
+    for name, (tiny, spec) in tinies.items():
+        assert tiny.name == name and "." in tiny.builder, name
+        if tiny.controlnets:
+            assert spec is not None and spec.control is not None, name
+    assert tinies["flux-kontext"][1] is SPECS["flux"].edit
 
 
 def test_a_family_s_differences_are_its_rows_attributes() -> None:

@@ -1,14 +1,15 @@
 """How kiln renders each diffusion family, one FamilySpec each: the worker's half of a family's row
 (the other half, what a manifest and a request may ask of it, is api_client.families.FamilyRow):
 its pipeline classes, what its load drops, its precision and VAE rules, prompt encoding, latent
-decoding. A family's spec is looked up once per load (spec_for) and carried with the loaded
-pipeline (LoadedPipeline.spec); code asks the spec or the row, never the family's name.
+decoding, and its tiny model (TinyModel: the builder worker.pipelines.tiny runs). A family's spec
+is looked up once per load (spec_for) and carried with the loaded pipeline (LoadedPipeline.spec);
+code asks the spec or the row, never the family's name.
 
 Rendering runs in three calls (encode, denoise to latents, decode) instead of one pipeline call
 so each phase is timed, fault-injected and retried on its own. torch is imported where a decode
-needs it, so `kiln pull` reads what a family fetches without it. Over 400 lines because it holds
-eight families' specs with their encode and decode side by side, each a few lines, so they read
-as one table.
+needs it, so `kiln pull` reads what a family fetches without it; the tiny builders are named,
+not imported, for the same reason. Over 400 lines because it holds eight families' specs with
+their encode and decode side by side, each a few lines, so they read as one table.
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ class ControlFamily:
 
 
 @dataclass(frozen=True)
+class TinyModel:
+    """A family's tiny random-weight model, kiln's embedded default (worker.pipelines.tiny builds
+    it as models/tiny-<name>): its builder and what the build ships beside the pipeline."""
+
+    name: str  # tiny-<name>: the family's, or an edit model's own (flux-kontext)
+    # "module.function" in worker.pipelines.tiny, imported when a build runs (it needs diffusers)
+    builder: str
+    # (latent channels, scaling, shift) as its TAESD reads the denoiser's latents; None: no TAESD,
+    # so no previews
+    taesd: tuple[int, float, float] | None = None
+    # name -> seed: the tiny ControlNets of its ControlFamily's model class (two let a job stack)
+    controlnets: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """How kiln renders one family (api_client.families.Family names them; its FamilyRow says what
     a manifest and a request may ask of it)."""
@@ -97,6 +113,7 @@ class FamilySpec:
     # An edit model of the family (FamilyRow.edit_modes): its own checkpoint, whose pipeline is
     # loaded as the resident one.
     edit: FamilySpec | None = None
+    tiny: TinyModel | None = None  # its tiny model (sd2 renders with sd15's spec, so its tiny)
 
     def load_kwargs(self) -> dict[str, Any]:
         """The family's own from_pretrained arguments."""
@@ -345,6 +362,7 @@ _SD = FamilySpec(
             "inpaint": "StableDiffusionControlNetInpaintPipeline",
         },
     ),
+    tiny=TinyModel("sd15", "sd.sd15", taesd=(4, 1.0, 0.0), controlnets={"canny": 61, "depth": 62}),
 )
 
 
@@ -356,13 +374,13 @@ def _kontext_call(width: int, height: int) -> dict[str, Any]:
 
 
 def _with_edit(spec: FamilySpec, **edit: Any) -> FamilySpec:
-    """The family's spec with its edit model's: the same encode and decode, its own pipeline class,
-    no modes derived from it and no ControlNet."""
-    return replace(spec, edit=replace(spec, modes={}, control=None, **edit))
+    """The family's spec with its edit model's: the same encode and decode, its own pipeline class
+    and tiny model (none unless edit names one), no modes derived from it and no ControlNet."""
+    return replace(spec, edit=replace(spec, modes={}, control=None, **{"tiny": None, **edit}))
 
 
-# Adding a family is one entry here with its pipeline classes, its row in api_client.families,
-# its tiny model (worker.pipelines.tiny) and its tests.
+# Adding a family is one entry here with its pipeline classes and its tiny model's builder
+# (worker.pipelines.tiny), its row in api_client.families, and its tests.
 SPECS: dict[str, FamilySpec] = {
     "sd15": _SD,
     "sd2": _SD,
@@ -382,6 +400,7 @@ SPECS: dict[str, FamilySpec] = {
                 "inpaint": "StableDiffusionXLControlNetUnionInpaintPipeline",
             },
         ),
+        tiny=TinyModel("sdxl", "sd.sdxl", taesd=(4, 1.0, 0.0), controlnets={"union": 64}),
     ),
     "sd3": FamilySpec(
         "StableDiffusion3Pipeline",
@@ -393,6 +412,8 @@ SPECS: dict[str, FamilySpec] = {
         control=ControlFamily(
             "SD3ControlNetModel", {"txt2img": "StableDiffusion3ControlNetPipeline"}, global_rng=True
         ),
+        # SD3's TAESD mirrors its VAE's scale and shift.
+        tiny=TinyModel("sd3", "sd.sd3", taesd=(16, 1.5035, 0.0609), controlnets={"canny": 65}),
     ),
     "flux": _with_edit(
         FamilySpec(
@@ -406,9 +427,11 @@ SPECS: dict[str, FamilySpec] = {
             control=ControlFamily(
                 "FluxControlNetModel", {"txt2img": "FluxControlNetPipeline"}, noise_first=True
             ),
+            tiny=TinyModel("flux", "flux.flux", controlnets={"canny": 63}),
         ),
         pipeline_class="FluxKontextPipeline",
         call=_kontext_call,
+        tiny=TinyModel("flux-kontext", "flux.flux_kontext"),
     ),
     "flux2": FamilySpec(
         "Flux2KleinPipeline",
@@ -416,6 +439,7 @@ SPECS: dict[str, FamilySpec] = {
         _decode_flux2,
         fp16_safe=False,
         denoiser="transformer",
+        tiny=TinyModel("flux2", "flux2.flux2"),
     ),
     "qwenimage": _with_edit(
         FamilySpec(
@@ -431,6 +455,7 @@ SPECS: dict[str, FamilySpec] = {
                 {"txt2img": "QwenImageControlNetPipeline"},
                 noise_first=True,
             ),
+            tiny=TinyModel("qwenimage", "qwenimage.qwenimage", controlnets={"canny": 66}),
         ),
         # Its encoder reads the input image too (Prompt.image), through Qwen2.5-VL's vision
         # tower; its Qwen2VLProcessor cannot be built without a video processor, which needs
@@ -446,8 +471,25 @@ SPECS: dict[str, FamilySpec] = {
         denoiser="transformer",
         modes=_modes("ZImage"),
         control=ControlFamily("ZImageControlNetModel", {"txt2img": "ZImageControlNetPipeline"}),
+        tiny=TinyModel("zimage", "zimage.zimage", controlnets={"canny": 67}),
     ),
 }
+# The tiny models of the families that are one weights file, not a pipeline (no FamilySpec):
+# the upscaler's ESRGAN file, which spandrel reads.
+WEIGHTS_FILE_TINIES: tuple[TinyModel, ...] = (TinyModel("upscaler", "upscaler.TinyUpscaler"),)
+
+
+def tiny_models() -> dict[str, tuple[TinyModel, FamilySpec | None]]:
+    """Every tiny model by its name, with the spec it renders with (None: a weights file), each
+    once (sd2 shares sd15's spec, so its tiny model)."""
+    tinies: dict[str, tuple[TinyModel, FamilySpec | None]] = {}
+    for spec in SPECS.values():
+        for own in (spec, spec.edit):
+            if own is not None and own.tiny is not None:
+                tinies.setdefault(own.tiny.name, (own.tiny, own))
+    for tiny in WEIGHTS_FILE_TINIES:
+        tinies[tiny.name] = (tiny, None)
+    return tinies
 
 
 def spec_for(manifest: Manifest) -> FamilySpec:

@@ -3,12 +3,14 @@ build that saves them: kiln's embedded default models.
 
 They are ordinary diffusers directories, so they load through the same from_pretrained path as
 hub models, with no hub access at build or load time. Each family's builder lives in its own
-module (sd, flux, flux2, qwenimage, zimage); this one owns the registry, the version stamp and
-the atomic swap into place.
+module (sd, flux, flux2, qwenimage, zimage, upscaler), named by the family's worker row
+(worker.pipelines.families.TinyModel, with its TAESD and ControlNets); this one owns the build,
+the version stamp and the atomic swap into place.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import tempfile
@@ -21,16 +23,12 @@ from typing import Final
 from diffusers import DiffusionPipeline
 from transformers.utils import logging as transformers_logging
 
+from worker.pipelines.families import FamilySpec, TinyModel, tiny_models
 from worker.pipelines.tiny.components import seeded, taesd
 from worker.pipelines.tiny.controlnet import save_tiny_controlnets
-from worker.pipelines.tiny.flux import flux, flux_kontext
-from worker.pipelines.tiny.flux2 import flux2
 from worker.pipelines.tiny.ip_adapter import save_tiny_ip_adapter
 from worker.pipelines.tiny.lora import save_tiny_loras
-from worker.pipelines.tiny.qwenimage import qwenimage
-from worker.pipelines.tiny.sd import sd3, sd15, sdxl
 from worker.pipelines.tiny.upscaler import TinyUpscaler
-from worker.pipelines.tiny.zimage import zimage
 
 __all__ = [
     "BUILDER_VERSION",
@@ -51,31 +49,15 @@ __all__ = [
 BUILDER_VERSION: Final = 7
 STAMP_FILE: Final = "kiln_tiny.json"
 
-# The tiny pipelines, one a family (and flux-kontext, an edit model of the flux family: manifest
-# modes [txt2img, edit], its own checkpoint).
-_PIPELINES: Final[dict[str, Callable[[], DiffusionPipeline]]] = {
-    "sd15": sd15,
-    "sdxl": sdxl,
-    "sd3": sd3,
-    "flux": flux,
-    "flux2": flux2,
-    "qwenimage": qwenimage,
-    "flux-kontext": flux_kontext,
-    "zimage": zimage,
-}
-# Everything the build makes: the pipelines, and tiny-upscaler, an ESRGAN file for spandrel
-# (manifest tiny-upscaler, family upscaler), not a pipeline.
-_BUILDERS: Final[dict[str, Callable[[], DiffusionPipeline | TinyUpscaler]]] = {
-    **_PIPELINES,
-    "upscaler": TinyUpscaler,
-}
-TINY_FAMILIES: tuple[str, ...] = tuple(_PIPELINES)
-TINY_BUILDS: tuple[str, ...] = tuple(_BUILDERS)
-
-# (latent channels, scaling, shift) as the family's TAESD expects: sd15/sdxl TAESDs read the
-# denoiser's latents as they are; SD3's mirrors its VAE's scale and shift. Families not named
-# here get no TAESD, so no preview.
-TAESD_LATENTS: Final = {"sd15": (4, 1.0, 0.0), "sdxl": (4, 1.0, 0.0), "sd3": (16, 1.5035, 0.0609)}
+# Everything the build makes, from the families' rows: the tiny pipelines (one a family, and
+# flux-kontext, an edit model of the flux family: manifest modes [txt2img, edit], its own
+# checkpoint) with the spec each renders with, and tiny-upscaler, an ESRGAN file for spandrel
+# (manifest tiny-upscaler, family upscaler), not a pipeline (no spec).
+_TINIES: Final = tiny_models()
+TINY_FAMILIES: tuple[str, ...] = tuple(n for n, (_, spec) in _TINIES.items() if spec is not None)
+TINY_BUILDS: tuple[str, ...] = tuple(_TINIES)
+# The builds that ship a TAESD (the others get no previews): TinyModel.taesd by name.
+TAESD_LATENTS: Final = {n: tiny.taesd for n, (tiny, _) in _TINIES.items() if tiny.taesd}
 _TAESD_SEED: Final = 40
 
 
@@ -88,7 +70,7 @@ def build_tiny_models(
     stamp unless force. Returns {"tiny-sd15": path, ...}.
     """
     wanted = list(families)
-    unknown = [f for f in wanted if f not in _BUILDERS]
+    unknown = [f for f in wanted if f not in _TINIES]
     if unknown:
         raise ValueError(f"families: unknown {unknown!r}; must be among {list(TINY_BUILDS)!r}")
     out_dir = Path(out_dir)
@@ -120,11 +102,12 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
     # Build beside the target and rename, so readers never see a half-written pipeline.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
-        pipe = _BUILDERS[family]()
+        tiny, spec = _TINIES[family]
+        pipe = _builder(tiny)()
         with _quiet_progress_bars():
             pipe.save_pretrained(tmp, safe_serialization=True)
-            if isinstance(pipe, DiffusionPipeline):
-                _save_extras(pipe, family, tmp)
+            if isinstance(pipe, DiffusionPipeline) and spec is not None:
+                _save_extras(pipe, tiny, spec, tmp)
         stamp = {"builder_version": BUILDER_VERSION, "family": family}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         # A concurrent builder may have finished first; keep its copy so readers are not cut off.
@@ -134,19 +117,30 @@ def _build_into(target: Path, family: str, *, force: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _save_extras(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
+def _builder(tiny: TinyModel) -> Callable[[], DiffusionPipeline | TinyUpscaler]:
+    """The function TinyModel.builder names ("module.function" in this package)."""
+    module, _, function = tiny.builder.rpartition(".")
+    build: Callable[[], DiffusionPipeline | TinyUpscaler] = getattr(
+        importlib.import_module(f"{__name__}.{module}"), function
+    )
+    return build
+
+
+def _save_extras(
+    pipe: DiffusionPipeline, tiny: TinyModel, spec: FamilySpec, directory: Path
+) -> None:
     """What a tiny pipeline ships beside itself: a TAESD, ControlNets, an IP-Adapter, LoRAs."""
-    if family in TAESD_LATENTS:
-        _save_taesd(directory / "taesd", family)
+    if tiny.taesd is not None:
+        _save_taesd(directory / "taesd", tiny.taesd)
     # Before the LoRAs: making them leaves peft's wrappers on the denoiser, SD's ControlNet
     # copies the UNet's own weights and the IP-Adapter's layers take its attentions' shapes.
-    save_tiny_controlnets(pipe, family, directory / "controlnets")
-    save_tiny_ip_adapter(pipe, family, directory / "ip_adapter")
+    save_tiny_controlnets(pipe, spec, directory / "controlnets")
+    save_tiny_ip_adapter(pipe, tiny.name, directory / "ip_adapter")
     save_tiny_loras(pipe, directory / "loras")
 
 
-def _save_taesd(directory: Path, family: str) -> None:
-    preview = seeded(_TAESD_SEED, lambda: taesd(*TAESD_LATENTS[family]))
+def _save_taesd(directory: Path, latents: tuple[int, float, float]) -> None:
+    preview = seeded(_TAESD_SEED, lambda: taesd(*latents))
     preview.save_pretrained(directory, safe_serialization=True)
     # AutoencoderTiny records block_out_channels in its config but does not take it back,
     # warning on every load; TAESD's published configs do not carry it either.

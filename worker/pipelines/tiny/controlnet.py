@@ -22,6 +22,7 @@ from diffusers import (
     ZImageControlNetModel,
 )
 
+from worker.pipelines.families import FamilySpec
 from worker.pipelines.tiny.components import seeded
 
 # The layers diffusers zero-initialises, by name prefix: SD's zero convs and conditioning
@@ -148,24 +149,30 @@ def _zimage(pipe: Any) -> ZImageControlNetModel:
     )
 
 
-# family -> (ControlNet builder, {name: seed}): tiny-sd15 has two, so a job can stack them.
-TINY_CONTROLNETS: Final[dict[str, tuple[Callable[[Any], Any], dict[str, int]]]] = {
-    "sd15": (_sd, {"canny": 61, "depth": 62}),
-    "flux": (_flux, {"canny": 63}),
-    "sdxl": (_sdxl_union, {"union": 64}),
-    "sd3": (_sd3, {"canny": 65}),
-    "qwenimage": (_qwenimage, {"canny": 66}),
-    "zimage": (_zimage, {"canny": 67}),
+# A ControlNet model class (ControlFamily.model_class) -> its tiny ControlNet on a tiny pipeline.
+BUILDERS: Final[dict[str, Callable[[Any], Any]]] = {
+    "ControlNetModel": _sd,
+    "ControlNetUnionModel": _sdxl_union,
+    "FluxControlNetModel": _flux,
+    "SD3ControlNetModel": _sd3,
+    "QwenImageControlNetModel": _qwenimage,
+    "ZImageControlNetModel": _zimage,
 }
 
 
-def save_tiny_controlnets(pipe: DiffusionPipeline, family: str, directory: Path) -> None:
-    """Write each of the family's tiny ControlNets under directory/<name>/ (none for others)."""
-    if family not in TINY_CONTROLNETS:
+def save_tiny_controlnets(pipe: DiffusionPipeline, spec: FamilySpec, directory: Path) -> None:
+    """Write each of the spec's tiny ControlNets (TinyModel.controlnets: name -> seed) under
+    directory/<name>/, built for its ControlFamily's model class; none where it has none."""
+    if spec.tiny is None or not spec.tiny.controlnets or spec.control is None:
         return
-    build, seeds = TINY_CONTROLNETS[family]
-    for name, seed in seeds.items():
-        model = seeded(seed, lambda: randomised(build(pipe)))
+    model_class = spec.control.model_class
+    if model_class not in BUILDERS:
+        raise ValueError(
+            f"tiny {spec.tiny.name}: no tiny ControlNet builder for {model_class}; known:"
+            f" {', '.join(sorted(BUILDERS))}"
+        )
+    for name, seed in spec.tiny.controlnets.items():
+        model = seeded(seed, lambda: randomised(BUILDERS[model_class](pipe)))
         model.save_pretrained(directory / name, safe_serialization=True)
 
 
