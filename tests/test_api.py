@@ -12,7 +12,7 @@ from redis import Redis
 
 from api_client import RequestRejected
 from tests.fixtures.gateway import call
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 7}
 

@@ -21,7 +21,7 @@ from api_client.http.settings import ApiSettings
 from api_client.http.tokens import Tokens
 from tests.conftest import kiln
 from tests.fixtures.gateway import Gateway, call
-from tests.helpers import client_for, make_renderer, make_worker
+from tests.support.inprocess import client_for, make_renderer, make_worker
 from tests.workers import free_port, wait_until
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a door", "steps": 2, "seed": 3}

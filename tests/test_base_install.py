@@ -15,7 +15,7 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import ROOT
-from tests.helpers import burst, make_renderer, make_worker
+from tests.support.inprocess import burst, make_renderer, make_worker
 from tests.workers import wait_until
 
 BASE_KILN = [sys.executable, "-m", "tests.fixtures.base_install"]

@@ -20,7 +20,7 @@ import pytest
 from redis import Redis
 
 from api_client import keys
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from tests.workers import pace_here
 from worker.memory.peaks import REREAD_S
 from worker.queue.upkeep.publisher import STATE_INTERVAL_S

@@ -13,7 +13,8 @@ from redis import Redis
 
 from api_client import KilnClient, Progress, RenderFailed, keys
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, make_renderer, records
+from tests.support.inprocess import burst, make_renderer
+from tests.support.records import records
 from tests.workers import SLOW_MODEL, slow_manifests, wait_until
 
 

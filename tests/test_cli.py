@@ -13,7 +13,8 @@ import pytest
 from redis import Redis
 
 from tests.conftest import ROOT, kiln
-from tests.helpers import client_for, records
+from tests.support.inprocess import client_for
+from tests.support.records import records
 from tests.workers import WorkerProcess, wait_until
 from worker.pipelines.tiny import TINY_FAMILIES
 

@@ -4,14 +4,13 @@ a redis+sentinel:// URL, which redis-py's Redis.from_url refuses, works for each
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from api_client.connection import connect
 from tests.conftest import kiln
-from tests.workers import RedisServer, free_port, wait_until
+from tests.support.sentinel import sentinel_for
+from tests.workers import RedisServer
 
 VERBS = [
     ("quarantine",),
@@ -28,31 +27,11 @@ def sentinel_url(directory: Path) -> Iterator[str]:
     """A redis-server and a redis-sentinel monitoring it as `kiln`: the sentinel URL."""
     master = RedisServer(directory)
     master.start()
-    port = free_port()
-    conf = directory / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
-        f"sentinel monitor kiln 127.0.0.1 {master.port} 1\n"
-    )
-    with open(directory / "sentinel.log", "ab") as out:
-        sentinel = subprocess.Popen(
-            ["redis-server", str(conf), "--sentinel"], stdout=out, stderr=subprocess.STDOUT
-        )
-    url = f"redis+sentinel://127.0.0.1:{port}/kiln/0"
     try:
-        wait_until(lambda: _answers(url), 20, "the sentinel to know the master")
-        yield url
+        with sentinel_for(directory, master.port) as url:
+            yield url
     finally:
-        sentinel.terminate()
-        sentinel.wait(timeout=10)
         master.kill()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return bool(connect(url).ping())
-    except Exception:
-        return False
 
 
 def test_every_redis_verb_takes_a_sentinel_url(tmp_path: Path, kiln_env: dict[str, str]) -> None:

@@ -16,7 +16,8 @@ from rq.command import send_kill_horse_command, send_shutdown_command
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.cancels_in_phase import cancel_in
 from tests.fixtures.gate import Gate
-from tests.helpers import make_renderer, make_worker, records
+from tests.support.inprocess import make_renderer, make_worker
+from tests.support.records import records
 from tests.workers import WorkerProcess, gated, slow_manifests, wait_until
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from redis import Redis
 
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.errors import CompileRequired
 from worker.manifest import load_manifests
 from worker.memory.faults import FaultPlan

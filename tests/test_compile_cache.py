@@ -17,8 +17,9 @@ from redis import Redis
 
 from tests.conftest import kiln
 from tests.fixtures.fake_compile import compile_or_load, graph_files
-from tests.helpers import client_for, records
 from tests.support.images import pixels
+from tests.support.inprocess import client_for
+from tests.support.records import records
 from tests.workers import wait_until
 from worker.ops.doctor import fleet_line
 from worker.pipelines.compile_cache import (

@@ -29,8 +29,9 @@ from api_client.errors import Problem
 from api_client.manifest import Manifest
 from api_client.schema import ControlChoice, RenderRequest
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from tests.support.images import mask_png, pixels, png, square_png
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw, records
 from worker.files.details import read_details
 from worker.pipelines.control import canny
 

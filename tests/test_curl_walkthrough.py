@@ -24,7 +24,7 @@ from api_client import keys
 from api_client.http.tokens import Tokens
 from tests.conftest import ROOT
 from tests.fixtures.gateway import call
-from tests.helpers import burst, make_renderer
+from tests.support.inprocess import burst, make_renderer
 from tests.support.receivers import SECRET, SavingReceiver, targets
 
 DOC = ROOT / "docs" / "curl.md"

@@ -13,7 +13,8 @@ from redis import Redis
 from api_client import RenderFailed
 from api_client.schema import RenderResult
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.render.timings import TimingRecord
 
 MODEL = "tiny-sd15"

@@ -18,8 +18,9 @@ from PIL import Image
 from redis import Redis
 
 from api_client.schema import OutputFormat
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import tiny_details
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.errors import CannotReplay
 from worker.files import output
 from worker.files.details import kiln_version, parse_details, read_details

@@ -17,8 +17,9 @@ from redis import Redis
 from api_client import RenderFailed, RequestRejected
 from api_client.manifest import Manifest, load_manifest_file
 from tests.conftest import MANIFESTS
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
 from tests.support.images import mask_png, pixels, png
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw, records
 from worker.pipelines.families import check_installed, spec_for
 
 KONTEXT = "tiny-flux-kontext"

@@ -18,7 +18,7 @@ from rq.utils import utcformat
 from api_client import keys
 from api_client.eta import AHEAD_READ
 from api_client.schema import Attempt, TimingFit, Timings
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from worker.manifest import load_manifests, publish_manifests
 from worker.render.timings import FitTracker, TimingRecord
 

@@ -11,7 +11,8 @@ from redis import Redis
 from api_client import keys
 from api_client.events import EVENTS_TTL_S
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw
 from tests.workers import wait_until
 from worker.queue.events import PROGRESS_INTERVAL_S
 

@@ -88,11 +88,7 @@ def family_tables(tree: ast.Module) -> list[str]:
 
 
 def test_family_tables_live_in_two_modules() -> None:
-    tables = {
-        path: names
-        for path, tree in _sources().items()
-        if (names := family_tables(tree))
-    }
+    tables = {path: names for path, tree in _sources().items() if (names := family_tables(tree))}
     assert set(tables) <= TABLES, {p: n for p, n in tables.items() if p not in TABLES}
     assert "Family" in tables["api_client/families.py"]  # the alias beside its table
 

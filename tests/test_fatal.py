@@ -10,7 +10,7 @@ import pytest
 from redis import Redis
 
 from api_client import KilnClient, RenderFailed
-from tests.helpers import records
+from tests.support.records import records
 from tests.workers import WorkerProcess
 
 

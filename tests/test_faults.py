@@ -15,7 +15,8 @@ from redis import Redis
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.failing_disk import fails_writing
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from tests.workers import SLOW_MODEL, slow_manifests
 from worker.errors import JobDeadlineExceeded, OutputError, StoreUnavailable
 from worker.files import output

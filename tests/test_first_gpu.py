@@ -17,7 +17,8 @@ from redis import Redis
 
 from api_client import RequestRejected
 from api_client.manifest import Manifest
-from tests.helpers import client_for, make_renderer, records
+from tests.support.inprocess import client_for, make_renderer
+from tests.support.records import records
 from worker.errors import OtherRequest
 from worker.manifest import load_manifests
 from worker.memory import device as dev

@@ -15,7 +15,8 @@ from api_client import KilnJob, RenderFailed
 from api_client.errors import JobTimeout
 from api_client.events import BLOCK_SLICE_S
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw
 from worker.cli.plain import follow_job
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a heron", "steps": 8, "seed": 2}

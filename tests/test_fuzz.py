@@ -16,7 +16,8 @@ from redis import Redis
 
 from api_client import KilnClient, RenderFailed, RenderRequest, RequestRejected
 from tests.conftest import MANIFESTS
-from tests.helpers import burst, enqueue_raw, make_renderer
+from tests.support.inprocess import burst, make_renderer
+from tests.support.records import enqueue_raw
 from worker.render.renderer import Renderer
 from worker.settings import Settings
 

@@ -21,10 +21,16 @@ from rq.serializers import JSONSerializer
 from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.schema import RENDER_FUNC
 from tests.conftest import MANIFESTS, kiln
-from tests.helpers import enqueue_raw, records
-from tests.support.deployments import Deployment, alive, ends, quarantined, worker_env
-from tests.support.records import log_lines, render_record
-from tests.workers import WorkerProcess, wait_until
+from tests.support.deployments import (
+    Deployment,
+    alive,
+    deployed,
+    ends,
+    quarantined,
+    worker_env,
+)
+from tests.support.records import enqueue_raw, log_lines, records, render_record
+from tests.workers import wait_until
 
 MODEL = "tiny-sd15"
 QUEUE_KEY = f"rq:queue:{keys.queue_name(MODEL)}"
@@ -56,17 +62,10 @@ def deployment(
     conn.rpush(f"{QUEUE_KEY}:intermediate", held)
     abandoned = make_record(conn, "retry_intervals", b"[never")
     conn.zadd(f"rq:wip:{keys.queue_name(MODEL)}", {f"{abandoned}:dead-execution": 1})
-    client = KilnClient(connection=conn, manifests_dir=MANIFESTS)
-    behind = client.submit(GOOD).id
-    worker = WorkerProcess(env, out / "worker.log", "--models", MODEL)
-    try:
-        worker.wait_ready(conn)
-        planted = {"intermediate": held, "started registry": abandoned, "good job behind": behind}
-        yield Deployment(conn, client, worker, env, planted)
-    finally:
-        worker.stop()
-        conn.flushdb()
-        conn.close()
+    behind = KilnClient(connection=conn, manifests_dir=MANIFESTS).submit(GOOD).id
+    planted = {"intermediate": held, "started registry": abandoned, "good job behind": behind}
+    with deployed(conn, env, out / "worker.log", "--models", MODEL, planted=planted) as d:
+        yield d
 
 
 def gone(d: Deployment, job_id: str) -> None:

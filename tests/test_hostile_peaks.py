@@ -10,8 +10,9 @@ from typing import Any
 
 from redis import Redis
 
-from api_client import KilnClient, keys
+from api_client import KilnClient
 from tests.conftest import MANIFESTS
+from tests.support.fleet import blocked
 from tests.workers import WorkerProcess, wait_until
 from worker.memory.peaks import GB, KEY, PLAUSIBLE_GB, Peak, Shape, card_kind
 
@@ -25,7 +26,6 @@ def test_forged_peaks_are_ignored_or_read_again_once_deleted(
     """A petabyte (no card's figure) is ignored outright. A plausible 5 GB need blocks a worker
     allowed 3 GB; once deleted from Redis, the same worker reads the book again and takes the
     job (it stayed blocked for good before: the book was read once per process)."""
-    from api_client.schema import WorkerState
     from worker.memory.device import probe
 
     card = card_kind(probe(make_settings()).name, None)
@@ -43,12 +43,9 @@ def test_forged_peaks_are_ignored_or_read_again_once_deleted(
                            "--models", MODEL)  # fmt: skip
     try:
         worker.wait_ready(redis_conn)
-
-        def blocked() -> str | None:
-            raw = redis_conn.get(keys.worker_key(worker.name))
-            return WorkerState.model_validate_json(raw).blocked if raw else None  # type: ignore[arg-type]
-
-        why = wait_until(blocked, 60, "the worker to say it waits for memory")
+        why = wait_until(
+            lambda: blocked(redis_conn, worker.name), 60, "the worker to say it waits for memory"
+        )
         assert f"{MODEL} needs 5.75 GB" in why, why  # the petabyte is not what it waits for
         assert job.status() == "queued"
         redis_conn.hdel(KEY, forged)
@@ -56,7 +53,7 @@ def test_forged_peaks_are_ignored_or_read_again_once_deleted(
         assert job.wait(timeout=60).model == MODEL
         print(f"\ntook the job {time.monotonic() - started:.1f} s after the forged peak went")
         assert worker.proc.poll() is None
-        assert not blocked()
+        assert not blocked(redis_conn, worker.name)
         log = worker.output()
         assert log.count("kiln:peaks field") == 1 and "128x192" in log, log
         assert f"a real card's figures lie in 0..{PLAUSIBLE_GB:.0f} GB" in log

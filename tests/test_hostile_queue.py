@@ -15,7 +15,8 @@ from rq.serializers import JSONSerializer
 
 from api_client import keys
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.queue.job import DEATHS_FIELD
 
 MODEL = "tiny-sd15"

@@ -23,17 +23,24 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from redis import Redis
 
-from api_client import KilnClient, RenderFailed, RequestRejected, keys
+from api_client import RenderFailed, RequestRejected, keys
 from api_client.inputs import MAX_PNG_CHUNKS
 from api_client.keys import input_key
 from api_client.manifest import load_manifest_dir
 from api_client.schema import RENDER_FUNC, TimingFit
 from api_client.webhooks import MAX_DATA_BYTES, job_webhook_target
 from tests.conftest import MANIFESTS, kiln
-from tests.support.deployments import Deployment, alive, ends, quarantined, worker_env
+from tests.support.deployments import (
+    Deployment,
+    alive,
+    deployed,
+    ends,
+    quarantined,
+    worker_env,
+)
 from tests.support.images import tiny_details
 from tests.support.records import log_lines, render_record
-from tests.workers import WorkerProcess, free_port, wait_until
+from tests.workers import free_port, wait_until
 from worker.files.details import DETAILS_KEY, MAX_DEPTH
 from worker.queue.upkeep.backlog import default_request
 from worker.render.inputs import open_input
@@ -60,15 +67,9 @@ def deployment(
     env = worker_env(redis_url, tiny_dir, out)
     conn.hset(keys.FITS_KEY, mapping=BAD_FITS)
     port = free_port()
-    worker = WorkerProcess(env, out / "worker.log", "--models", MODEL, "--metrics-port", str(port))
-    try:
-        worker.wait_ready(conn)
-        client = KilnClient(connection=conn, manifests_dir=MANIFESTS)
-        yield Deployment(conn, client, worker, env, metrics_port=port)
-    finally:
-        worker.stop()
-        conn.flushdb()
-        conn.close()
+    args = ("--models", MODEL, "--metrics-port", str(port))
+    with deployed(conn, env, out / "worker.log", *args, metrics_port=port) as d:
+        yield d
 
 
 def record_with_data(conn: Redis, data: bytes) -> str:
@@ -257,7 +258,7 @@ def test_a_png_of_200000_chunks_is_refused_before_decoding(deployment: Deploymen
 
 
 def _enqueue(d: Deployment, request: dict[str, Any]) -> str:
-    from tests.helpers import enqueue_raw
+    from tests.support.records import enqueue_raw
 
     return enqueue_raw(d.conn, MODEL, {"request": request})
 

@@ -12,7 +12,7 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 
 SUBMIT = ("submit", "a quiet harbour", "--model", "tiny-sd15", "--steps", "2", "--seed", "9")
 
@@ -80,7 +80,7 @@ def test_job_verbs_follow_a_job_through_a_real_worker(
 def test_models_shows_modes_loras_and_whether_a_worker_serves_each(
     kiln_env: dict[str, str], redis_conn: Redis, settings: Any
 ) -> None:
-    from tests.helpers import make_worker
+    from tests.support.inprocess import make_worker
 
     make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])  # publishes
     listed = {m["id"]: m for m in json.loads(kiln("models", "--json", env=kiln_env).stdout)}

@@ -12,7 +12,8 @@ from redis import Redis
 from api_client import RenderFailed
 from api_client.resolve import resolve_request
 from api_client.schema import RUNGS, RenderRequest, RenderResult
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.errors import InvalidFaults, device_lost
 from worker.manifest import load_manifests
 from worker.memory.device import probe

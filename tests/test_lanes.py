@@ -17,7 +17,8 @@ from api_client.eta import taken_first
 from api_client.schema import RenderRequest, TimingFit, request_digest, request_payload
 from tests.conftest import kiln
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from tests.workers import wait_until
 from worker.manifest import load_manifests, publish_manifests
 from worker.queue.lanes import BATCH_EVERY, LaneOrder, worker_queues

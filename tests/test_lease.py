@@ -18,7 +18,7 @@ from redis import Redis
 
 from api_client import KilnClient, KilnJob
 from tests.fixtures.gate import Gate
-from tests.helpers import records
+from tests.support.records import records
 from tests.workers import (
     RedisServer,
     WorkerProcess,

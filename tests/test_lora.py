@@ -20,8 +20,9 @@ from api_client import RequestRejected
 from api_client.loras import parse_lora_flag
 from api_client.schema import LoraChoice
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import pixels
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.files.details import read_details
 from worker.manifest import load_manifests
 from worker.pipelines.adapters import AdapterRefused, AdapterSlots

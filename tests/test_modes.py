@@ -16,9 +16,10 @@ from redis import Redis
 from api_client import RenderFailed, RequestRejected
 from api_client.keys import input_key
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.backends import start_backend
 from tests.support.images import mask_png, pixels, png
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from tests.workers import wait_until
 
 MODELS = ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwenimage", "tiny-zimage"]
@@ -124,8 +125,8 @@ def test_a_backend_with_only_the_client_submits_inputs_and_loras_against_s3(
 ) -> None:
     """#17's done-means: another process, Redis only, uploads and submits img2img, inpaint and
     a LoRA job; the worker's store is S3 (a real S3-compatible server over the network)."""
-    from tests.helpers import make_worker
     from tests.s3server import BUCKET
+    from tests.support.inprocess import make_worker
 
     settings = make_settings(**s3.store_settings())
     worker = make_worker(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])

@@ -23,8 +23,8 @@ from redis import Redis
 from api_client import keys
 from api_client.http.tokens import Tokens
 from tests.fixtures.gateway import call
-from tests.helpers import burst, client_for, make_renderer
 from tests.support.fleet import live_worker
+from tests.support.inprocess import burst, client_for, make_renderer
 
 MODEL = "tiny-sd15"
 KILN = {"seed": 7, "steps": 2}

@@ -14,7 +14,7 @@ from redis import Redis
 
 from tests.conftest import ROOT
 from tests.fixtures.gate import hold_here
-from tests.helpers import burst, make_renderer
+from tests.support.inprocess import burst, make_renderer
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM = "/usr/bin/chromium"

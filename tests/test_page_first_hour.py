@@ -15,8 +15,8 @@ from redis import Redis
 
 from api_client import keys
 from tests.fixtures.gateway import call
-from tests.helpers import client_for
 from tests.support.fleet import live_worker
+from tests.support.inprocess import client_for
 from tests.test_page import (
     MODEL,
     By,

@@ -12,7 +12,8 @@ from redis import Redis
 
 from api_client import RenderFailed
 from api_client.schema import RenderResult
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.memory import peaks
 from worker.memory.device import probe
 from worker.memory.ladder import GB

@@ -11,7 +11,8 @@ import pytest
 from redis import Redis
 
 from tests.conftest import MANIFESTS
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.memory.peaks import GB, KEY, MARGIN, Peak, PeakBook, Shape, needs_from
 
 MODEL = "tiny-sd15"
@@ -133,9 +134,8 @@ def test_a_worker_whose_memory_fits_no_served_model_takes_no_job(
     import time
     import urllib.request
 
-    from api_client import keys
-    from api_client.schema import WorkerState
     from tests.conftest import kiln
+    from tests.support.fleet import blocked
     from tests.workers import WorkerProcess, free_port, wait_until
     from worker.memory.device import probe
     from worker.memory.peaks import card_kind
@@ -151,12 +151,9 @@ def test_a_worker_whose_memory_fits_no_served_model_takes_no_job(
     worker = WorkerProcess(env, tmp_path / "w.log", "--models", MODEL, "--metrics-port", str(port))
     try:
         worker.wait_ready(redis_conn)
-
-        def blocked() -> str | None:
-            raw = redis_conn.get(keys.worker_key(worker.name))
-            return WorkerState.model_validate_json(raw).blocked if raw else None  # type: ignore[arg-type]
-
-        why = wait_until(blocked, 60, "the worker to say it waits for memory")
+        why = wait_until(
+            lambda: blocked(redis_conn, worker.name), 60, "the worker to say it waits for memory"
+        )
         assert why.startswith("waiting for memory:") and f"{MODEL} needs 5.75 GB" in why
         time.sleep(2)
         assert job.status() == "queued"  # not taken: it could only fail

@@ -12,7 +12,7 @@ import pytest
 import torch
 from redis import Redis
 
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from worker.manifest import load_manifests
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan

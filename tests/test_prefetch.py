@@ -18,8 +18,9 @@ from rq import Queue
 
 from api_client import keys
 from api_client.schema import WorkerState
-from tests.helpers import client_for, make_renderer, records, serving_worker
 from tests.support.images import pixels
+from tests.support.inprocess import client_for, make_renderer, serving_worker
+from tests.support.records import records
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.memory.faults import FaultPlan

@@ -7,7 +7,8 @@ from typing import Any
 from PIL import Image
 from redis import Redis
 
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.manifest import load_manifests
 from worker.pipelines.switches import preview_steps
 from worker.render.context import LocalContext

@@ -13,7 +13,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from api_client import keys
-from tests.helpers import client_for
+from tests.support.inprocess import client_for
 from worker.queue.upkeep import quarantine
 
 REQUEST: dict[str, Any] = {"model": "tiny-sd15", "prompt": "ok", "steps": 2, "seed": 1}
@@ -82,7 +82,7 @@ def test_a_job_whose_workers_kept_dying_is_noted_as_a_killer(
     redis_conn: Redis, settings: Any
 ) -> None:
     """After its last abandoned retry, rq fails the job; the quarantine says why."""
-    from tests.helpers import make_renderer, make_worker
+    from tests.support.inprocess import make_renderer, make_worker
 
     job = client_for(redis_conn, settings).submit(REQUEST)
     queue = keys.queue_name("tiny-sd15")

@@ -10,7 +10,8 @@ from typing import Any
 from redis import Redis
 
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, make_worker, records
+from tests.support.inprocess import burst, client_for, make_renderer, make_worker
+from tests.support.records import enqueue_raw, records
 
 
 def test_a_worker_takes_only_the_queues_of_its_models(redis_conn: Redis, settings: Any) -> None:

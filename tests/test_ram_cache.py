@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from redis import Redis
 
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import pixels
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.memory.faults import FaultPlan

@@ -22,8 +22,9 @@ from api_client.references import parse_reference_flag
 from api_client.resolve import resolve_request
 from api_client.schema import ReferenceChoice, ReferenceReport, RenderRequest
 from tests.conftest import ROOT
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import mask_png, pixels, png, square_png
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.files.details import parameters_text, read_details
 
 BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a fox", "steps": 3, "seed": 7}

@@ -17,8 +17,9 @@ from redis import Redis
 from api_client import RenderFailed, RequestRejected
 from api_client.schema import RenderResult
 from tests.conftest import kiln
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import pixels
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from tests.workers import WorkerProcess
 from worker.files.details import read_details
 

@@ -19,7 +19,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from api_client import KilnClient, keys
-from tests.helpers import burst, enqueue_raw, make_renderer
+from tests.support.inprocess import burst, make_renderer
+from tests.support.records import enqueue_raw
 from tests.workers import free_port, wait_until
 
 MODEL = "tiny-sd15"

@@ -24,7 +24,8 @@ from rq.webhook import Webhook
 
 from api_client import KilnJob, RenderFailed, keys
 from api_client.events import EVENTS_TTL_S
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, make_worker, records
+from tests.support.inprocess import burst, client_for, make_renderer, make_worker
+from tests.support.records import enqueue_raw, records
 from worker.queue.job import RenderJob
 
 MODEL = "tiny-sd15"

@@ -11,8 +11,9 @@ import pytest
 
 from api_client import KilnClient
 from api_client.connection import parse_sentinel_url
-from tests.helpers import make_renderer, make_worker
-from tests.workers import RedisServer, free_port, wait_until
+from tests.support.inprocess import make_renderer, make_worker
+from tests.support.sentinel import sentinel_for
+from tests.workers import RedisServer, wait_until
 from worker.queue.lease import worker_connection
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a gull", "steps": 2, "seed": 4}
@@ -35,50 +36,32 @@ def test_client_and_worker_ride_a_sentinel_failover(tmp_path: Path, make_setting
     master.start()
     replica = RedisServer(tmp_path / "b", "--replicaof", "127.0.0.1", str(master.port))
     replica.start()
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-        f"sentinel monitor kiln 127.0.0.1 {master.port} 1\n"
-        "sentinel down-after-milliseconds kiln 1000\n"
-        "sentinel failover-timeout kiln 5000\n"
-    )
-    import subprocess
-
-    with open(tmp_path / "sentinel.log", "ab") as out:
-        sentinel = subprocess.Popen(
-            ["redis-server", str(conf), "--sentinel"], stdout=out, stderr=subprocess.STDOUT
-        )
-    url = f"redis+sentinel://127.0.0.1:{port}/kiln/0"
     try:
-        wait_until(lambda: _answers(url), 20, "the sentinel to know the master")
-        settings = make_settings(redis_url=url)
-        client = KilnClient(url, manifests_dir=settings.manifests)
-        renderer = make_renderer(settings, ["tiny-sd15"])
-        first = client.submit(REQUEST)
-        make_worker(worker_connection(url), renderer, ["tiny-sd15"]).work(burst=True)
-        assert first.wait(timeout=5).steps == 2
+        with sentinel_for(
+            tmp_path,
+            master.port,
+            "sentinel down-after-milliseconds kiln 1000",
+            "sentinel failover-timeout kiln 5000",
+        ) as url:
+            settings = make_settings(redis_url=url)
+            client = KilnClient(url, manifests_dir=settings.manifests)
+            renderer = make_renderer(settings, ["tiny-sd15"])
+            first = client.submit(REQUEST)
+            make_worker(worker_connection(url), renderer, ["tiny-sd15"]).work(burst=True)
+            assert first.wait(timeout=5).steps == 2
 
-        wait_until(lambda: _replica_synced(replica.port), 20, "the replica to catch up")
-        master.kill()
-        started = time.monotonic()
-        second = client.submit({**REQUEST, "seed": 5})  # retried until the new master answers
-        make_worker(worker_connection(url), renderer, ["tiny-sd15"]).work(burst=True)
-        assert second.wait(timeout=5).seed == 5
-        assert client.job(first.id).result() is not None  # the replica had it
-        print(f"\nfailover: second job done {time.monotonic() - started:.1f} s after the kill")
+            wait_until(lambda: _replica_synced(replica.port), 20, "the replica to catch up")
+            master.kill()
+            started = time.monotonic()
+            second = client.submit({**REQUEST, "seed": 5})  # retried until the new master answers
+            make_worker(worker_connection(url), renderer, ["tiny-sd15"]).work(burst=True)
+            assert second.wait(timeout=5).seed == 5
+            assert client.job(first.id).result() is not None  # the replica had it
+            elapsed = time.monotonic() - started
+            print(f"\nfailover: second job done {elapsed:.1f} s after the kill")
     finally:
-        sentinel.terminate()
-        sentinel.wait(timeout=10)
         master.kill()
         replica.kill()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return bool(KilnClient(url).connection.ping())
-    except Exception:
-        return False
 
 
 def _replica_synced(port: int) -> bool:

@@ -14,8 +14,8 @@ from rq.registry import StartedJobRegistry
 
 from api_client import KilnClient, KilnJob, keys
 from tests.fixtures.gate import Gate
-from tests.helpers import records
 from tests.support.jobs import denoising
+from tests.support.records import records
 from tests.workers import (
     DIES_AFTER_SAVE,
     SLOW_MODEL,

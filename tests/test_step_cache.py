@@ -20,7 +20,8 @@ from api_client.manifest import FirstBlockCache, Manifest
 from api_client.resolve import resolve_request
 from api_client.schema import RenderRequest, RenderResult
 from tests.conftest import MANIFESTS, ROOT
-from tests.helpers import burst, client_for, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.errors import PinRefused
 from worker.files.details import read_details
 from worker.manifest import load_manifests

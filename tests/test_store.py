@@ -31,10 +31,11 @@ from tests.conftest import MANIFESTS
 from tests.fixtures.flaky_s3 import FlakyS3
 from tests.fixtures.gate import hold_here
 from tests.fixtures.stops_after_preview import StopsAfterPreview
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.s3server import BUCKET, MotoServer
 from tests.support.backends import start_backend
+from tests.support.inprocess import burst, client_for, make_renderer
 from tests.support.receivers import HookServer, targets
+from tests.support.records import records
 from tests.workers import STARTUP_S, WorkerProcess, free_port, wait_until
 from worker.errors import JobDeadlineExceeded, ShutdownStop, StoreError, StoreUnavailable
 from worker.files.s3 import _heals
@@ -58,7 +59,7 @@ def test_a_backend_on_another_host_fetches_s3_results_and_follows_events(
     webhooks = targets(hooks.url, SECRET)
     settings = make_settings(**s3.store_settings(), webhooks=webhooks)
     renderer = make_renderer(settings, ["tiny-sd15"])
-    from tests.helpers import make_worker
+    from tests.support.inprocess import make_worker
 
     worker = make_worker(redis_conn, renderer, ["tiny-sd15"])  # publishes the target names
     # The backend: another process, with Redis only (no AWS_*, no KILN_OUTPUT_*).

@@ -13,8 +13,8 @@ from redis import Redis
 
 from api_client import KilnClient, RenderFailed
 from tests.fixtures.flaky_s3 import FlakyS3
-from tests.helpers import records
 from tests.s3server import MotoServer
+from tests.support.records import records
 from tests.workers import QUICK_BACKOFF, WorkerProcess, wait_until
 
 REQUEST = {"model": "tiny-sd15", "prompt": "outage", "steps": 2, "seed": 9}

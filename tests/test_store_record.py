@@ -14,7 +14,7 @@ from redis import Redis
 
 from api_client import KilnClient
 from tests.conftest import MANIFESTS
-from tests.helpers import records
+from tests.support.records import records
 from tests.workers import DIES_AFTER_RESULT, DIES_AFTER_SAVE, WorkerProcess, wait_until
 
 # Dies the instant result.json is on disk, before the job's end is committed.

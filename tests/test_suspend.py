@@ -16,7 +16,7 @@ from api_client import KilnClient, keys
 from api_client.schema import WorkerState
 from tests.conftest import MANIFESTS, kiln
 from tests.fixtures.gate import Gate
-from tests.helpers import enqueue_raw
+from tests.support.records import enqueue_raw
 from tests.workers import WorkerProcess, gated, wait_until
 from worker.queue.claim import Claimer
 

@@ -25,9 +25,9 @@ from api_client.http.tokens import Tokens
 from api_client.schema import WorkerState
 from tests.conftest import kiln
 from tests.fixtures.gateway import call
-from tests.helpers import burst, client_for, make_renderer, make_worker
 from tests.support.fleet import live_worker
 from tests.support.images import encoded
+from tests.support.inprocess import burst, client_for, make_renderer, make_worker
 from worker.queue.upkeep.publisher import Snapshot
 
 REQUEST = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 7}

@@ -18,7 +18,7 @@ from api_client.enqueue import MAX_QUEUED, QUEUED_TTL_S, RESULT_TTL_S
 from api_client.events import EVENTS_RETENTION_S, EVENTS_TTL_S
 from api_client.job import STOP_TTL_S
 from api_client.schema import JobEvent
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from worker.manifest import load_manifests, publish_manifests
 from worker.queue import events as job_events
 

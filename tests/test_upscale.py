@@ -15,8 +15,9 @@ from redis import Redis
 
 from api_client import RenderFailed, RequestRejected
 from api_client.manifest import Manifest
-from tests.helpers import burst, client_for, make_renderer, records
 from tests.support.images import pixels, png
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import records
 from worker.pipelines.upscale import tiled
 
 UPSCALER = "tiny-upscaler"

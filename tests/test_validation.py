@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from redis import Redis
 
 from api_client import RenderFailed, RenderRequest, RequestRejected
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw, records
 
 BASE: dict[str, Any] = {"model": "tiny-sd15", "prompt": "a red fox", "steps": 2, "seed": 1}
 

@@ -30,7 +30,7 @@ from api_client.webhooks import (
     verify_webhook,
     webhook_target,
 )
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from tests.support.receivers import (
     SECRET,
     HookServer,
@@ -41,6 +41,7 @@ from tests.support.receivers import (
     sender,
     targets,
 )
+from tests.support.records import enqueue_raw
 from tests.workers import free_port, wait_until
 from worker.queue.upkeep.webhooks import TIMEOUT_S, Dispatcher, delivery_id
 from worker.settings import WebhooksInvalid, WebhookTarget, parse_targets
@@ -201,7 +202,7 @@ def test_a_slow_receiver_never_holds_up_the_next_job(redis_conn: Redis, make_set
     client, renderer = published(redis_conn, settings)
     first = client.submit({**REQUEST, "webhook": "studio"})
     second = client.submit({**REQUEST, "webhook": "studio", "seed": 2})
-    from tests.helpers import make_worker
+    from tests.support.inprocess import make_worker
 
     worker = make_worker(redis_conn, renderer, ["tiny-sd15"])
     close = worker.webhooks.close

@@ -26,8 +26,9 @@ from api_client.webhooks import (
     verify_webhook,
 )
 from tests.conftest import ROOT
-from tests.helpers import burst, enqueue_raw
+from tests.support.inprocess import burst
 from tests.support.receivers import SECRET, HookServer, job_event, published, sender, targets
+from tests.support.records import enqueue_raw
 from tests.workers import free_port, wait_until
 from worker.queue.upkeep.webhooks import delivery_id
 from worker.settings import Settings
@@ -221,7 +222,7 @@ def test_a_jobs_end_and_its_delivery_are_one_commit_in_a_real_worker(
     failed = enqueue_raw(
         redis_conn, "tiny-sd15", {"request": {**REQUEST, "steps": 100_000, "webhook": "studio"}}
     )
-    from tests.helpers import make_worker
+    from tests.support.inprocess import make_worker
 
     worker = make_worker(redis_conn, renderer, ["tiny-sd15"])
     worker.webhooks.start = lambda: None  # type: ignore[method-assign]

@@ -11,7 +11,8 @@ from redis import Redis
 
 from api_client import RenderFailed
 from api_client.schema import PHASES
-from tests.helpers import burst, client_for, enqueue_raw, make_renderer, records
+from tests.support.inprocess import burst, client_for, make_renderer
+from tests.support.records import enqueue_raw, records
 
 TINY_MODELS = [
     "tiny-sd15",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,24 @@ class Deployment:
     @property
     def timings_log(self) -> Path:
         return Path(self.env["KILN_TIMINGS_LOG"])
+
+
+@contextmanager
+def deployed(
+    conn: Redis, env: dict[str, str], log: Path, *args: str, **fields: Any
+) -> Iterator[Deployment]:
+    """A `kiln worker` of these arguments in env (worker_env), once ready, as a Deployment with a
+    client of conn and fields (planted, metrics_port); on the way out the worker stops and conn
+    is flushed and closed (the deployment's Redis is the test's own)."""
+    worker = WorkerProcess(env, log, *args)
+    try:
+        worker.wait_ready(conn)
+        client = KilnClient(connection=conn, manifests_dir=Path(env["KILN_MANIFESTS"]))
+        yield Deployment(conn, client, worker, env, **fields)
+    finally:
+        worker.stop()
+        conn.flushdb()
+        conn.close()
 
 
 def alive(d: Deployment) -> None:

@@ -1,6 +1,6 @@
-"""What a live worker publishes, written for a gateway test that needs a model served (the
+"""What a live worker publishes: written for a gateway test that needs a model served (the
 gateway answers at once, or warns, when no live worker serves it) while the jobs themselves are
-rendered by a burst worker in the test's process."""
+rendered by a burst worker in the test's process, and read back from a real worker."""
 
 from __future__ import annotations
 
@@ -31,3 +31,10 @@ def live_worker(
     conn.set(keys.worker_key(name), state.model_dump_json(), ex=120)
     conn.zadd(keys.WORKERS_KEY, {name: time.time()})
     return state
+
+
+def blocked(conn: Redis, name: str) -> str | None:
+    """Why the worker called name waits (its published state's blocked), None while it does not
+    or before it has published."""
+    raw = conn.get(keys.worker_key(name))
+    return WorkerState.model_validate_json(raw).blocked if raw else None  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from redis import Redis
 
 from api_client import KilnClient
 from api_client.schema import JobEvent
-from tests.helpers import burst, client_for, make_renderer
+from tests.support.inprocess import burst, client_for, make_renderer
 from tests.support.servers import LocalServer, QuietHandler
 from tests.workers import wait_until
 from worker.queue.upkeep.webhooks import Dispatcher

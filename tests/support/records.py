@@ -1,6 +1,6 @@
-"""Records a test writes or reads: rq job records for kiln's render call written straight into
-Redis, as a producer with Redis access (a hostile one included) could write them, and the lines
-of a worker's timings log (parsed records: tests/helpers.py's records())."""
+"""Records a test writes or reads: rq jobs written straight into Redis, as a producer with Redis
+access (a hostile one included) could write them, and a worker's timings log (its parsed records,
+or its lines as text)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from api_client import keys
 from api_client.schema import RENDER_FUNC
+from worker.render.timings import TimingRecord, read_records
 
 
 def render_record(conn: Redis, model: str, request: dict[str, Any], **options: Any) -> Job:
@@ -29,6 +31,24 @@ def render_record(conn: Redis, model: str, request: dict[str, Any], **options: A
     )
     job.save()
     return job
+
+
+def enqueue_raw(
+    conn: Redis,
+    model: str,
+    kwargs: dict[str, Any],
+    func: str = "worker.queue.render_job",
+    **options: Any,
+) -> str:
+    """Put a job on a kiln queue without the client's validation, as a hostile producer could."""
+    queue = Queue(f"kiln:{model}", connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue_call(func, kwargs=kwargs, **options)
+    return str(job.id)
+
+
+def records(log: Path) -> list[TimingRecord]:
+    """The timing log's records (none before it exists)."""
+    return list(read_records(log)) if log.exists() else []
 
 
 def log_lines(log: Path, *job_ids: str) -> list[str]:
