@@ -3,13 +3,17 @@ one Redis (a private redis-server on a free TCP port, or KILN_REDIS_URL):
 
   per job   submit + wait + fetch of one tiny-sd15 job, one job in flight, through the gateway
             (POST /v1/jobs, the job's SSE stream until its end event, GET .../images/0, over one
-            keep-alive httpx connection) and through api_client.KilnClient (submit, wait,
-            fetch): the same requests and seeds, the same `kiln worker` process (torch on
-            --worker-threads, a core left for the rest), the two paths taking turns in blocks of
-            five jobs. Wall time, and wall time outside the render (minus the worker's own time
-            on the job, its timings total less queue_wait). Redis commands per job by INFO
-            commandstats, CONFIG RESETSTAT before each block: everything sent while the block
-            ran (client or gateway, and the worker, its heartbeat included).
+            keep-alive httpx connection), through api_client.KilnClient (submit, wait, fetch)
+            and through each dialect the gateway serves (bench/dialect_bench.py: OpenAI's
+            images/generations held until done, b64_json, on the same connection): the same
+            requests and seeds, the same `kiln worker` process (torch on --worker-threads, a core
+            left for the rest), the paths taking turns in blocks of five jobs. Wall time, and
+            wall time outside the render (minus the worker's own time on the job, its timings
+            total: from its start to its result). Redis commands per job by INFO commandstats,
+            CONFIG RESETSTAT before each block: everything sent while the block ran (client or
+            gateway, and the worker, its heartbeat included).
+  held      --held concurrent OpenAI calls held on one fresh gateway (bench/dialect_bench.py):
+            its Redis connections, threads, RSS and the Redis commands while they wait.
   fan-out   one fresh `kiln api` process and --watchers concurrent SSE connections (asyncio
             Protocols speaking HTTP/1.1, a jobs-scope token) to /v1/jobs/{id}/events over
             --watch-jobs jobs submitted through that gateway and never rendered (the worker is
@@ -31,8 +35,9 @@ one Redis (a private redis-server on a free TCP port, or KILN_REDIS_URL):
 It prints markdown tables and writes them and every figure to OUT/api_bench.md and
 OUT/api_bench.json (default bench/results/<time>-api/). docs/api-bench.md has a measured run.
 
-    python bench/api_bench.py [--jobs 20] [--watchers 1000] [--watch-jobs 100] [--events 10]
-                              [--intervals 1.0,0.1] [--starts 5] [--out DIR] [--models-dir DIR]
+    python bench/api_bench.py [--jobs 20] [--held 200] [--held-wait 16] [--watchers 1000]
+                              [--watch-jobs 100] [--events 10] [--intervals 1.0,0.1]
+                              [--starts 5] [--out DIR] [--models-dir DIR]
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # bench/dialect_bench.py imports this module's pieces: one copy
+    sys.modules.setdefault("bench.api_bench", sys.modules[__name__])
 
 MODEL = "tiny-sd15"
 BLOCK = 5
@@ -137,8 +144,8 @@ def kiln_env(url: str, work: Path, models_dir: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_worker(env: dict[str, str], work: Path, url: str) -> Iterator[None]:
-    """`kiln worker --models tiny-sd15` on url, its state published."""
+def running_worker(env: dict[str, str], work: Path, url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`kiln worker --models tiny-sd15` on url, its state published; its process."""
     from api_client import KilnClient
 
     with open(work / "worker.log", "ab") as log:
@@ -156,7 +163,7 @@ def running_worker(env: dict[str, str], work: Path, url: str) -> Iterator[None]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kiln worker did not come up; see {work / 'worker.log'}")
             time.sleep(0.1)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -258,18 +265,21 @@ def gateway_connections(conn: Any, pid: int, redis_port: int | None) -> dict[str
 
 
 def per_job(args: argparse.Namespace, url: str, env: dict[str, str], work: Path) -> dict[str, Any]:
+    """The paths in turns, blocks of BLOCK jobs, on the running worker: the Python client,
+    kiln's route, and each dialect the gateway serves (bench/dialect_bench.py)."""
     import httpx
     from redis import Redis
 
     from api_client import KilnClient
     from api_client.http.tokens import Tokens
+    from bench.dialect_bench import dialect_figures, dialect_paths
 
     conn = Redis.from_url(url)
     client = KilnClient(url, manifests_dir=ROOT / "manifests")
-    token = Tokens(conn).create(f"bench-jobs-{os.getpid()}-{time.monotonic_ns()}", "jobs")
-    threads = str(args.worker_threads)
-    worker_env = {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    with running_worker(worker_env, work, url), gateway(env, work, "api-per-job") as server:
+    tokens = Tokens(conn)
+    token = tokens.create(f"bench-jobs-{os.getpid()}-{time.monotonic_ns()}", "jobs")
+    dialect_token = tokens.create(f"bench-dialect-{os.getpid()}-{time.monotonic_ns()}", "jobs")
+    with gateway(env, work, "api-per-job") as server:
         http = httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=120
         )
@@ -278,7 +288,7 @@ def per_job(args: argparse.Namespace, url: str, env: dict[str, str], work: Path)
             result = client.submit(request(args.steps, seed)).wait(timeout=120)
             data = client.fetch(result.images[0])
             assert hashlib.sha256(data).hexdigest() == result.images[0].sha256
-            return result.timings.total - result.timings.queue_wait
+            return result.timings.total
 
         def http_path(seed: int) -> float:
             created = http.post("/v1/jobs", json=request(args.steps, seed))
@@ -298,25 +308,37 @@ def per_job(args: argparse.Namespace, url: str, env: dict[str, str], work: Path)
             want = done["result"]["images"][0]["sha256"]
             assert hashlib.sha256(image.content).hexdigest() == want
             timings = done["result"]["timings"]
-            return float(timings["total"] - timings.get("queue_wait", 0.0))
+            return float(timings["total"])
 
-        paths = {"python": python_path, "http": http_path}
+        dialects = dialect_paths(http, conn, dialect_token, url)
+        paths: dict[str, Any] = {
+            "python": lambda _steps, seed: python_path(seed),
+            "http": lambda _steps, seed: http_path(seed),
+            **dialects,
+        }
         for seed in range(args.warmup):
-            for fn in paths.values():
-                fn(seed)
+            for name, fn in paths.items():
+                fn(args.steps, seed)
+                if name in dialects:
+                    dialects[name].settle()
         times: dict[str, list[float]] = {name: [] for name in paths}
         outside: dict[str, list[float]] = {name: [] for name in paths}
         calls: dict[str, dict[str, int]] = {name: {} for name in paths}
         for first in range(0, args.jobs, BLOCK):
             for name, fn in paths.items():
                 conn.config_resetstat()
+                walls, renders = [], []
                 for seed in range(first, min(first + BLOCK, args.jobs)):
                     start = time.perf_counter()
-                    render = fn(1000 + seed)
-                    wall = time.perf_counter() - start
-                    times[name].append(wall)
-                    outside[name].append(wall - render)
+                    renders.append(fn(args.steps, 1000 + seed))
+                    walls.append(time.perf_counter() - start)
                 add_into(calls[name], commands(conn))
+                if name in dialects:  # its jobs read back now, outside the counted commands
+                    renders = dialects[name].settle()
+                times[name] += walls
+                outside[name] += [
+                    wall - render for wall, render in zip(walls, renders, strict=True)
+                ]
         http.close()
     figures: dict[str, Any] = {}
     for name in paths:
@@ -347,6 +369,7 @@ def per_job(args: argparse.Namespace, url: str, env: dict[str, str], work: Path)
     ) * 1000
     figures["extra_redis_cmds_per_job"] = http_["redis_cmds_per_job"] - python["redis_cmds_per_job"]
     figures["extra_redis_by_command"] = {k: v for k, v in extra.items() if abs(v) >= 0.05}
+    figures["dialects"] = dialect_figures(figures, list(dialects))
     figures["times_s"] = times
     figures["outside_render_s"] = outside
     return figures
@@ -572,7 +595,10 @@ def fan_out(args: argparse.Namespace, url: str, env: dict[str, str], work: Path)
 
     conn = Redis.from_url(url)
     redis_port = redis_tcp_port(url)
-    token = Tokens(conn).create(f"bench-watch-{os.getpid()}-{time.monotonic_ns()}", "jobs")
+    # Its jobs never end in RQ (their done events are synthetic): room for every pass's.
+    room = args.watch_jobs * len(args.intervals)
+    name = f"bench-watch-{os.getpid()}-{time.monotonic_ns()}"
+    token = Tokens(conn).create(name, "jobs", max_queued=min(max(room, 1), 100_000))
     passes = []
     with gateway(env, work, "api-fan-out") as server:
         pid = server.proc.pid
@@ -749,6 +775,31 @@ def ensure_tiny_model(models_dir: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(models_dir)], cwd=ROOT, check=True)
 
 
+def run_phases(
+    args: argparse.Namespace, url: str, env: dict[str, str], work: Path
+) -> dict[str, Any]:
+    """Start to ready; per job and held on one running worker; then fan-out, its jobs never
+    rendered (the worker stopped by then)."""
+    from bench.dialect_bench import held
+
+    figures: dict[str, Any] = {"phase_s": {}}
+
+    def timed(name: str, phase: Any, *more: Any) -> None:
+        began = time.perf_counter()
+        figures[name] = phase(args, url, env, work, *more)
+        figures["phase_s"][name] = time.perf_counter() - began
+
+    timed("startup", startup)
+    threads = str(args.worker_threads)
+    worker_env = {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    with running_worker(worker_env, work, url) as worker:
+        timed("per_job", per_job)
+        if args.held:
+            timed("held", held, worker)
+    timed("fan_out", fan_out)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20, help="measured jobs per path")
@@ -769,12 +820,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-burst", type=int, default=100, help="connects in flight")
     parser.add_argument("--open-timeout", type=float, default=120.0)
     parser.add_argument("--starts", type=int, default=5, help="gateway starts to time")
+    parser.add_argument(
+        "--held", type=int, default=200, help="concurrent held OpenAI calls (0: no held section)"
+    )
+    parser.add_argument(
+        "--held-wait",
+        type=float,
+        default=16.0,
+        help="seconds all held calls wait, the worker paused (default 16: one keep-alive check)",
+    )
+    parser.add_argument("--held-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, help="results dir (default bench/results/<time>-api)")
     parser.add_argument("--models-dir", type=Path, help="tiny models (default models/, built)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)
     if args.watch_jobs < 1 or args.watchers < 1 or args.events < 1 or args.jobs < 1:
         parser.error("--jobs, --watchers, --watch-jobs and --events must be at least 1")
+    if args.held < 0 or args.held_wait < 0:
+        parser.error("--held and --held-wait must be at least 0")
     out = args.out or ROOT / "bench" / "results" / (time.strftime("%Y%m%d-%H%M%S") + "-api")
     models_dir = args.models_dir or ROOT / "models"
     work = Path(tempfile.mkdtemp(prefix="kiln-api-bench-"))
@@ -785,13 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with redis_server(work, given) as url:
             args.redis_url_used = url
-            env = kiln_env(url, work, models_dir)
-            phases = {"startup": startup, "per_job": per_job, "fan_out": fan_out}
-            figures: dict[str, Any] = {"phase_s": {}}
-            for name, phase in phases.items():
-                began = time.perf_counter()
-                figures[name] = phase(args, url, env, work)
-                figures["phase_s"][name] = time.perf_counter() - began
+            figures = run_phases(args, url, kiln_env(url, work, models_dir), work)
     except BaseException:
         print(f"api_bench: failed; logs in {work}", file=sys.stderr)
         raise
@@ -818,7 +875,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args: argparse.Namespace, figures: dict[str, Any]) -> str:
+    from bench.dialect_bench import A1111Path, OpenAIPath, dialect_notes, dialect_rows, held_table
+
     job, fan, start = figures["per_job"], figures["fan_out"], figures["startup"]
+    labels = {"openai": OpenAIPath.label, "a1111": A1111Path.label}
     py, http = job["python"], job["http"]
     extra = ", ".join(f"{_cell(k)} {v:+.1f}" for k, v in job["extra_redis_by_command"].items())
     lines = [
@@ -835,18 +895,21 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> str:
             for shown, f in (
                 ("KilnClient: submit, wait, fetch", py),
                 ("gateway: POST, SSE to done, GET image", http),
+                *((labels[name], job[name]) for name in job.get("dialects", {})),
             )
         ),
         f"| gateway / client | | {job['ratio_median']:.2f}x | {http['p90_s'] / py['p90_s']:.2f}x |"
         f" **{job['outside_ratio_median']:.2f}x** ({job['outside_added_ms_median']:+.1f} ms) |"
         f" {http['outside_render_p90_s'] / py['outside_render_p90_s']:.2f}x |"
         f" **{job['extra_redis_cmds_per_job']:+.1f}** |",
+        *dialect_rows(job),
         "",
         "Outside the render: the job's wall time minus the worker's own time on it (its timings"
-        " total less queue_wait). The gateway path's extra Redis commands per job, by command: "
-        + (extra or "none")
-        + ".",
+        " total, from its start to its result). The gateway path's extra Redis commands per job,"
+        " by command: " + (extra or "none") + ".",
+        *dialect_notes(job),
         "",
+        *([*held_table(figures["held"]), ""] if "held" in figures else []),
         *fan_out_table(fan),
         "",
         "### Start to ready",

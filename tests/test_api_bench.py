@@ -1,6 +1,8 @@
-"""bench/api_bench.py at tiny sizes (2 jobs a path, 20 watchers over 3 jobs in two passes, one
-timed gateway start): it runs on CPU with its own redis-server, prints its three tables and
-writes every figure, and each fan-out pass delivers every event to every watcher once, in
+"""bench/api_bench.py at tiny sizes (2 jobs a path, the OpenAI dialect's among them, 5 held OpenAI
+calls, 20 watchers over 3 jobs in two passes, one timed gateway start): it runs on CPU with its
+own redis-server, prints its four tables and writes every figure; the dialect's jobs are the
+same jobs as kiln's route's, every held call is answered with its job's image while the gateway
+holds no thread per call, and each fan-out pass delivers every event to every watcher once, in
 order."""
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from tests.conftest import ROOT
 
 TINY = [
     "--jobs", "2", "--warmup", "1", "--watchers", "20", "--watch-jobs", "3",
-    "--events", "3", "--intervals", "0.1,0.02", "--starts", "1",
+    "--events", "3", "--intervals", "0.1,0.02", "--starts", "1", "--held", "5",
+    "--held-wait", "1",
 ]  # fmt: skip
 # A hang guard, not a speed goal. 17 s alone on the 2 cores; over 60 s in a clean-clone CI run
 # beside the soak and the kill drills, its worker importing the CUDA torch build cold from disk.
@@ -35,11 +38,11 @@ def test_the_gateway_bench_measures_every_figure(tiny_dir: Path, tmp_path: Path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads((tmp_path / "out" / "api_bench.json").read_text())
     assert (tmp_path / "out" / "api_bench.md").read_text().strip() in done.stdout
-    for title in ("### Per job", "### Fan-out", "### Start to ready"):
+    for title in ("### Per job", "### Held", "### Fan-out", "### Start to ready"):
         assert title in done.stdout
 
     job = figures["per_job"]
-    for path in ("python", "http"):
+    for path in ("python", "http", "openai"):
         assert job[path]["jobs"] == 2
         assert 0 < job[path]["outside_render_median_s"] < job[path]["median_s"] < 60
         assert job[path]["redis_cmds_per_job"] > 0
@@ -47,6 +50,22 @@ def test_the_gateway_bench_measures_every_figure(tiny_dir: Path, tmp_path: Path)
         assert math.isfinite(job[name]), name
     # The gateway's own reads: at least its token check on each of its three requests.
     assert job["extra_redis_by_command"].get("hget", 0) >= 3
+    # One request where kiln's route makes three: fewer token checks, no image route's reads.
+    openai = job["dialects"]["openai"]
+    assert openai["extra_redis_by_command"].get("hget", 0) < 0
+    assert math.isfinite(openai["outside_added_ms_median"])
+    assert "OpenAI dialect" in done.stdout and "openai dialect - kiln's route" in done.stdout
+
+    held = figures["held"]
+    assert held["gateway_alive_at_end"] and held["calls"] == 5
+    assert held["answered_with_image"] == 5 and held["images_match_results"]
+    assert held["jobs_rendered"] == 5 and held["sse_streams_ended_done"] == 5
+    stages = held["stages"]
+    assert stages["ready"]["redis_connections"] >= 1
+    # Waiting costs the hub's one shared XREAD, no thread and no connection per call.
+    assert stages["waiting"]["redis_commands"].get("xread", 0) >= 1
+    assert stages["waiting"]["redis_connections"]["client_list"] >= 1
+    assert stages["waiting"]["rss_peak_mb"] > 0 and stages["waiting"]["threads_peak"] >= 1
 
     fan = figures["fan_out"]
     assert fan["gateway_alive_at_end"] and [f["interval_s"] for f in fan["passes"]] == [0.1, 0.02]
@@ -69,3 +88,25 @@ def test_the_gateway_bench_measures_every_figure(tiny_dir: Path, tmp_path: Path)
     for name in ("python_c_pass", "import_api_client", "import_gateway_app", "kiln_api_ready"):
         assert 0 < start[name]["median_s"] < 60, name
     assert start["import_api_client"]["median_s"] > start["python_c_pass"]["median_s"]
+
+
+def test_the_gateway_bench_says_its_options_and_refuses_a_negative_held() -> None:
+    """Cheap, outside the slow mark: --help lists the held section's options (the dialect module
+    imports cleanly beside it), and a negative --held is refused naming it."""
+    argv = [sys.executable, "bench/api_bench.py"]
+    shown = subprocess.run([*argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    for option in ("--held ", "--held-wait", "--jobs"):
+        assert option in shown.stdout, option
+    imported = subprocess.run(
+        [sys.executable, "-c", "import bench.dialect_bench as d; print(d.OpenAIPath.route)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert imported.stdout.strip() == "/openai/v1/images/generations", imported.stderr
+    refused = subprocess.run(
+        [*argv, "--held", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "--held" in refused.stderr, refused.stderr
