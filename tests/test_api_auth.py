@@ -60,12 +60,18 @@ def test_every_route_but_health_and_login_answers_401_without_credentials(
                 assert response.status_code != 401, (method, path)
                 continue
             assert response.status_code == 401, (method, path, response.status_code)
-            assert response.headers["www-authenticate"] == "Bearer"
             body = response.json()
-            if path.startswith("/openai/"):  # OpenAI's error shape, which its SDK reads
+            challenge = response.headers["www-authenticate"]
+            if path.startswith("/sdapi/"):  # A1111's error shape; its clients send HTTP Basic
+                assert challenge == 'Basic realm="kiln", Bearer'
+                assert set(body) == {"error", "detail", "body", "errors"}
+                assert "token" in body["detail"]
+            elif path.startswith("/openai/"):  # OpenAI's error shape, which its SDK reads
+                assert challenge == "Bearer"
                 error = body["error"]
                 assert error["type"] == "authentication_error" and "token" in error["message"]
             else:
+                assert challenge == "Bearer"
                 assert body["status"] == 401 and "token" in body["detail"]
             # A token that is not one fails the same way.
             wrong = web.request(method, path, headers={"Authorization": "Bearer kiln_nope"})
