@@ -401,3 +401,11 @@ def test_hires_loras_and_schedules_map_onto_kiln() -> None:
     # The pre-1.9 form, the schedule in the sampler's name; and kiln's own fields win.
     old = fields.read({"sampler_name": "DPM++ 2M Karras", "sampler": "euler"}, manifest(), False)
     assert (old.mapped["sampler"], old.mapped["sigmas"]) == ("euler", "karras")
+
+
+def test_a_field_a1111_does_not_know_is_ignored_as_a1111_ignores_it() -> None:
+    # Forge's FLUX field and a typo alike: A1111's own models drop unknown fields.
+    body = {"prompt": "p", "distilled_cfg_scale": 3.5, "promt": "typo"}
+    assert fields.read(body, manifest(), img2img=False).mapped == fields.read(
+        {"prompt": "p"}, manifest(), img2img=False
+    ).mapped

@@ -1,5 +1,5 @@
 """AUTOMATIC1111's txt2img and img2img bodies read onto a kiln RenderRequest (docs/contract.md,
-"AUTOMATIC1111"). Each A1111 field is one of four kinds:
+"AUTOMATIC1111"). Each A1111 field is one of three kinds:
 
 - mapped: prompt (its `<lora:name:weight>` tags become loras), negative_prompt, seed (-1:
   random), steps, cfg_scale (guidance), width, height, batch_size x n_iter (images),
@@ -8,10 +8,11 @@
   mask, inpainting_mask_invert and denoising_strength;
 - neutral: read as absent at A1111's neutral value (webuiapi sends every one of them on every
   call), refused by name at any other (NEUTRAL);
-- inert: nothing kiln renders depends on them, whatever their value (INERT);
 - kiln's own: any RenderRequest field may ride in the body and wins over the mapping.
 
-Anything else is refused naming it. Refusals name A1111's field (cfg_scale, not guidance)."""
+Anything else is ignored, as A1111 itself ignores a field it does not know (forks such as Forge
+add their own, and SillyTavern sends some). Refusals name A1111's field (cfg_scale, not
+guidance)."""
 
 from __future__ import annotations
 
@@ -84,32 +85,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "initial_noise_multiplier": _is(None, 1),
     "latent_mask": _NONE,
 }
-# No effect on what kiln renders, whatever their value (kiln keeps every job's images in its
-# store, so save_images and do_not_save_* change nothing; a mask is used as sent).
-INERT = frozenset(
-    {
-        "subseed",
-        "override_settings_restore_afterwards",
-        "save_images",
-        "do_not_save_samples",
-        "do_not_save_grid",
-        "comments",
-        "force_task_id",
-        "include_init_images",
-        "image_cfg_scale",
-        "mask_blur",
-        "mask_blur_x",
-        "mask_blur_y",
-        "mask_round",
-        "inpaint_full_res",
-        "inpaint_full_res_padding",
-        "inpainting_fill",
-        "sampler_index",  # read as sampler_name when that is absent
-        "send_images",  # honoured in the answer
-        "disable_extra_networks",  # honoured: the prompt's <lora:...> tags are left as text
-        "denoising_strength",  # read with enable_hr, or by img2img
-    }
-)
 # Read only with enable_hr; each at A1111's "the same as the first pass" when it is on.
 HIRES_SAME: dict[str, Callable[[Any], bool]] = {
     "hr_resize_x": _ZERO,
@@ -143,7 +118,6 @@ MAPPED = frozenset(
         *HIRES_TEXT,
     }
 )
-A1111_FIELDS = MAPPED | HIRES | INERT | set(NEUTRAL)
 # override_settings a call may carry: the model, and two settings at the value kiln renders with.
 OVERRIDES: dict[str, Callable[[Any], bool]] = {
     "CLIP_stop_at_last_layers": _is(None, 1),
@@ -216,8 +190,6 @@ def _check_fields(body: dict[str, Any], img2img: bool) -> None:
         if name in NEUTRAL and not NEUTRAL[name](value):
             rule = "kiln has no such setting; leave it out or at A1111's default"
             raise refuse(name, f"{str(value)[:60]!r}: {rule}")
-        if name not in A1111_FIELDS and name not in KILN_FIELDS:
-            raise refuse(name, "neither an AUTOMATIC1111 field nor a kiln request field", 422)
         if not img2img and name in ("init_images", "mask", "inpainting_mask_invert"):
             raise refuse(name, "txt2img takes no input image: POST it to /sdapi/v1/img2img")
     overrides = body.get("override_settings")
