@@ -41,7 +41,8 @@ class LoraSpec(BaseModel):
         them) takes no weight_name."""
         refuse_pickle("source", self.source)
         refuse_pickle("weight_name", self.weight_name)
-        if self.is_file and "weight_name" in self.model_fields_set:
+        # The default is what a manifest read back from its own dump (Redis, the API) carries.
+        if self.is_file and self.weight_name != "pytorch_lora_weights.safetensors":
             raise ValueError(
                 f"weight_name {self.weight_name!r}: source {self.source!r} names the file"
                 " itself; weight_name picks a file in a directory source"

@@ -9,18 +9,23 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from redis import Redis
+from safetensors.torch import load_file, save_file
 
 from api_client.loras import LoraSpec
 from api_client.manifest import Manifest
 from api_client.model_files import PickleRefused
 from tests.conftest import MANIFESTS, kiln
+from tests.support.images import pixels
+from tests.support.inprocess import burst, client_for, make_renderer
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.pipelines.adapters import read_adapter
 from worker.pipelines.loading import read_pipeline
+from worker.pipelines.tiny.files import KOHYA_LORA
 
 TINY_SD15 = """\
 id: {id}
@@ -90,3 +95,126 @@ def test_a_diffusers_layout_with_only_pickled_weights_is_never_unpickled(
     settings = make_settings(models_dir=models)
     with pytest.raises(OSError, match="safetensors"):
         read_pipeline(_manifest(), probe(settings), settings)
+
+
+def test_a_kohya_lora_file_renders_as_the_peft_lora_it_came_from(
+    redis_conn: Redis, settings: Any
+) -> None:
+    """tiny-sd15's `kohya` is `detail` in kohya / A1111 key names (tiny/files.py): diffusers'
+    converter reads it back to the same layers, so the same weight renders the same pixels."""
+    kohya = load_file(settings.models_dir / "tiny-sd15/loras" / KOHYA_LORA)
+    assert kohya and all(k.startswith("lora_unet_") for k in kohya)
+    assert {k.rsplit(".", 2)[-2] if k.endswith(".weight") else "alpha" for k in kohya} == {
+        "lora_down",
+        "lora_up",
+        "alpha",
+    }
+    client = client_for(redis_conn, settings)
+    base = {"model": "tiny-sd15", "prompt": "a fox", "steps": 2, "seed": 5}
+    asks = [None, [{"name": "kohya", "weight": 1.0}], [{"name": "detail", "weight": 1.0}]]
+    asks.append([{"name": "kohya", "weight": 0.0}])
+    jobs = [client.submit({**base, **({"loras": ask} if ask else {})}) for ask in asks]
+    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
+    shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
+    assert not np.array_equal(shown[0], shown[1]), "the kohya LoRA changes the image"
+    assert np.array_equal(shown[1], shown[2]), "the kohya file renders its PEFT twin's pixels"
+    assert np.array_equal(shown[0], shown[3]), "at weight 0 it changes nothing"
+
+
+def _zeros(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+# A file's first tensors as each layout names them (tiny shapes; the header is what is read).
+LAYOUTS: dict[str, dict[str, torch.Tensor]] = {
+    "sd15": {
+        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": _zeros(
+            8, 768
+        ),
+        "first_stage_model.decoder.conv_in.weight": _zeros(4, 4, 3, 3),
+        "cond_stage_model.transformer.text_model.final_layer_norm.weight": _zeros(768),
+    },
+    "sd2": {
+        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": _zeros(
+            8, 1024
+        ),
+        "cond_stage_model.model.token_embedding.weight": _zeros(4, 1024),
+    },
+    "sdxl": {
+        "model.diffusion_model.input_blocks.0.0.weight": _zeros(8, 4, 3, 3),
+        "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight": _zeros(768),
+        "conditioner.embedders.1.model.token_embedding.weight": _zeros(4, 1280),
+    },
+    "sd3": {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": _zeros(24, 8)},
+    "flux": {"double_blocks.0.img_attn.qkv.weight": _zeros(24, 8)},
+}
+
+
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_manifests_new_tells_the_family_from_the_header(family: str, tmp_path: Path) -> None:
+    from api_client.manifest import load_manifest_file, manifest_dirs
+    from worker.ops.new_manifest import new_manifest
+
+    path = tmp_path / f"Civitai {family}.safetensors"
+    save_file(LAYOUTS[family], path)
+    written = new_manifest(path, manifest_dirs(), tmp_path, tmp_path / "out")
+    manifest = load_manifest_file(written)
+    assert written.name == f"civitai-{family}.yaml" and manifest.family == family
+    if family == "flux":  # the transformer alone: a component over the family's repo
+        assert manifest.source == "tiny-flux" and manifest.config is None
+        assert manifest.components["transformer"].file == path.name
+    else:
+        config = "stabilityai/sd-turbo" if family == "sd2" else f"tiny-{family}"  # no tiny-sd2
+        assert manifest.source == path.name and manifest.config == config
+    assert manifest.min_vram_gb > 0 and manifest.component_gb
+
+
+def test_manifests_new_refuses_a_pickle_and_asks_for_a_family_it_cannot_tell(
+    tmp_path: Path, kiln_env: dict[str, str]
+) -> None:
+    torch.save({"x": torch.zeros(1)}, tmp_path / "model.ckpt")
+    done = kiln(
+        "manifests", "new", str(tmp_path / "model.ckpt"), "--out", str(tmp_path), env=kiln_env
+    )
+    assert done.returncode == 1 and "is a pickle" in done.stderr, done.stderr
+    assert "convert it to safetensors" in done.stderr
+    unclear = dict(LAYOUTS["sd15"])
+    unclear.pop("cond_stage_model.transformer.text_model.final_layer_norm.weight")
+    save_file(unclear, tmp_path / "unet.safetensors")
+    done = kiln(
+        "manifests", "new", str(tmp_path / "unet.safetensors"), "--out", str(tmp_path), env=kiln_env
+    )
+    assert done.returncode == 1 and "pass --family sd15 or sd2" in done.stderr, done.stderr
+    done = kiln(
+        "manifests",
+        "new",
+        str(tmp_path / "unet.safetensors"),
+        *("--family", "sd15", "--id", "mine", "--config", "tiny-sd15", "--out", str(tmp_path)),
+        env=kiln_env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "mine.yaml")
+    assert "config: tiny-sd15" in (tmp_path / "mine.yaml").read_text()
+
+
+def test_manifests_new_reads_a_gguf_transformer(tmp_path: Path) -> None:
+    import gguf
+
+    from api_client.manifest import load_manifest_file, manifest_dirs
+    from worker.ops.new_manifest import new_manifest
+
+    path = tmp_path / "flux1-dev-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "flux")
+    weights = np.random.default_rng(0).random((64, 64), dtype=np.float32)
+    quant = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor(
+        "double_blocks.0.img_attn.qkv.weight", gguf.quantize(weights, quant), raw_dtype=quant
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    manifest = load_manifest_file(new_manifest(path, manifest_dirs(), tmp_path, tmp_path))
+    assert manifest.family == "flux" and manifest.components["transformer"].gguf
+    assert "transformer" not in manifest.quantize, "a GGUF file is what it holds"
+    assert "(Q8_0)" in (tmp_path / "flux1-dev-q8_0.yaml").read_text()

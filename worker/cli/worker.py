@@ -62,6 +62,15 @@ def _manifest_verbs(verbs: Any) -> None:
     publish = actions.add_parser("publish", help="publish manifests to Redis for clients")
     publish.add_argument("dir", nargs="?", type=Path)
     publish.set_defaults(handler=manifests_publish)
+    new = actions.add_parser(
+        "new", help="write a checked manifest for a downloaded .safetensors or .gguf file"
+    )
+    new.add_argument("file", type=Path)
+    new.add_argument("--id", help="the model id (default: the file's name)")
+    new.add_argument("--family", help="sd15, sd2, sdxl, sd3 or flux, where the file cannot tell")
+    new.add_argument("--config", help="diffusers repo or directory with the configs it lacks")
+    new.add_argument("--out", type=Path, help="default: the first KILN_MANIFESTS directory")
+    new.set_defaults(handler=manifests_new)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -100,6 +109,31 @@ def manifests_check(args: argparse.Namespace) -> int:
             print(f"{failure.path}: field {p.field}: value {p.value!r}: {p.rule}", file=sys.stderr)
     print(f"{len(manifests)} valid, {len(failures)} invalid in {directory}")
     return 1 if failures else 0
+
+
+def manifests_new(args: argparse.Namespace) -> int:
+    from worker.ops.new_manifest import NewManifestError, new_manifest
+
+    settings = worker_settings()
+    out = args.out or next(iter(settings.manifests[1:]), None)
+    if out is None:
+        print("kiln manifests new: pass --out DIR or set KILN_MANIFESTS", file=sys.stderr)
+        return 2
+    try:
+        path = new_manifest(
+            args.file,
+            settings.manifests,
+            settings.models_dir,
+            out,
+            model_id=args.id,
+            family=args.family,
+            config=args.config,
+        )
+    except (NewManifestError, OSError) as exc:
+        print(f"kiln manifests new: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def manifests_publish(args: argparse.Namespace) -> int:

@@ -98,6 +98,12 @@ def read_adapter(
     # .lora_down/.lora_up/.alpha) for SD1.5, SDXL and FLUX as it converts peft's.
     converted = pipeline_cls.lora_state_dict(dict(raw))
     state = converted[0] if isinstance(converted, tuple) else converted
+    if any("_lora.down." in k for k in state):
+        # kohya's come back in diffusers' older attention-processor names (to_k_lora.down),
+        # which load_lora_weights turns into peft's as here: the layers the slots must cover.
+        from diffusers.utils import convert_unet_state_dict_to_peft
+
+        state = convert_unet_state_dict_to_peft(state)
     foreign = sorted(k for k in state if not k.startswith(f"{denoiser}."))
     if foreign:
         raise AdapterRefused(

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from api_client.manifest import Manifest
+from api_client.model_files import is_single_file
 from worker.manifest import weights_source
 from worker.pipelines.families import spec_for
+from worker.pipelines.single_file import hub_file_parts
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class Fetch:
     allow_patterns: list[str]
     ignore_patterns: list[str] = field(default_factory=list)
     marker: str = "model_index.json"
+    configs_only: bool = False  # a single file's config repository: its configs and tokenizers
 
 
 def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
@@ -57,9 +60,7 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
             return []
         repo, name = found
         return [Fetch(manifest.id, repo, manifest.revision, [name], marker=name)]
-    source = weights_source(manifest, models_dir)
-    if not source.local:
-        wanted.append(_pipeline_fetch(manifest))
+    wanted += _pipeline_fetches(manifest, models_dir)
     for extra in (manifest.vae, manifest.taesd):
         if extra is None:
             continue
@@ -67,6 +68,9 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
         if not where.local:
             wanted.append(Fetch(manifest.id, extra, None, _VAE_FILES, marker="config.json"))
     for lora in manifest.loras.values():
+        if lora.is_file:  # a kohya / A1111 file: on this disk, or owner/repo/file on the hub
+            wanted += _file_fetches(manifest, models_dir, [(lora.source, lora.revision)])
+            continue
         where = weights_source(manifest, models_dir, lora.source, marker=lora.weight_name)
         if not where.local:
             files = [lora.weight_name]
@@ -82,6 +86,44 @@ def fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
             files = [marker, *(prefix + name for name in (*weights, f"{weights[0]}.index.json"))]
             wanted.append(Fetch(manifest.id, repo, revision, files, marker=marker))
     wanted += _ip_adapter_fetches(manifest, models_dir)
+    return wanted
+
+
+def _pipeline_fetches(manifest: Manifest, models_dir: Path) -> list[Fetch]:
+    """The pipeline's own weights: a diffusers layout, or one checkpoint file and the configs
+    and tokenizers its config repository holds; and each component's own file."""
+    own = [(c.file, c.revision) for c in manifest.components.values()]
+    if not is_single_file(manifest.source):
+        source = weights_source(manifest, models_dir)
+        layout = [] if source.local else [_pipeline_fetch(manifest)]
+        return layout + _file_fetches(manifest, models_dir, own)
+    wanted = _file_fetches(manifest, models_dir, [(manifest.source, manifest.revision), *own])
+    assert manifest.config is not None  # the manifest's rule for a single-file source
+    if not weights_source(manifest, models_dir, manifest.config).local:
+        configs = ["model_index.json", *(f"*/*.{ext}" for ext in _COMPONENT_FILES)]
+        wanted.append(Fetch(manifest.id, manifest.config, None, configs, configs_only=True))
+    return wanted
+
+
+def _file_fetches(
+    manifest: Manifest, models_dir: Path, files: list[tuple[str, str | None]]
+) -> list[Fetch]:
+    """Files a manifest names one by one (a single-file checkpoint, a component's file, a kohya
+    LoRA): none for a file on this disk, else its repository and the file in it."""
+    wanted = []
+    for name, revision in files:
+        found = hub_file_parts(name, models_dir)
+        if found is None:
+            path = Path(name).expanduser()
+            path = path if path.is_absolute() else models_dir / path
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"model {manifest.id}: {name!r} is no file at {path}, nor owner/repo/file on"
+                    " the hub" + (" (build it: `kiln tiny-models`)" if "tiny-" in name else "")
+                )
+            continue
+        repo, filename = found
+        wanted.append(Fetch(manifest.id, repo, revision, [filename], marker=filename))
     return wanted
 
 
@@ -130,6 +172,8 @@ def _pipeline_fetch(manifest: Manifest, components: list[str] | None = None) -> 
     allow = ["model_index.json"]
     for folder in components or ["*"]:
         allow += [f"{folder}/*.{ext}" for ext in _COMPONENT_FILES]
+        if folder in manifest.components:
+            continue  # read from its own file: its config only
         if variant:
             # diffusers names variant weights x.fp16.safetensors, shards x.fp16-00001-of-00002.
             allow += [f"{folder}/*.{variant}.safetensors", f"{folder}/*.{variant}-*.safetensors"]
@@ -157,7 +201,7 @@ def narrowed(fetch: Fetch, manifest: Manifest) -> Fetch:
 
     from huggingface_hub import hf_hub_download
 
-    if fetch.marker != "model_index.json":
+    if fetch.marker != "model_index.json" or fetch.configs_only:
         return fetch
     index = hf_hub_download(
         fetch.repo, "model_index.json", revision=fetch.revision, cache_dir=_cache_dir()

@@ -14,6 +14,7 @@ from typing import Any, Final
 from diffusers import DiffusionPipeline
 
 from worker.pipelines.tiny.components import seeded
+from worker.pipelines.tiny.files import save_model_files
 
 # name -> (seed, rank, target modules)
 TINY_LORAS: Final[dict[str, tuple[int, int, tuple[str, ...]]]] = {
@@ -43,3 +44,5 @@ def save_tiny_loras(pipe: DiffusionPipeline, directory: Path) -> None:
         }
         denoiser.delete_adapters(name)
         type(pipe).save_lora_weights(directory / name, **{f"{attr}_lora_layers": layers})
+    # The same weights as self-hosters' files hold them (a kohya LoRA, single-file checkpoints).
+    save_model_files(directory.parent, WEIGHT_NAME)
