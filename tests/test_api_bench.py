@@ -1,6 +1,6 @@
-"""bench/api_bench.py at tiny sizes (2 jobs a path, the OpenAI dialect's among them, 5 held OpenAI
+"""bench/api_bench.py at tiny sizes (2 jobs a path, the two dialects' among them, 5 held OpenAI
 calls, 20 watchers over 3 jobs in two passes, one timed gateway start): it runs on CPU with its
-own redis-server, prints its four tables and writes every figure; the dialect's jobs are the
+own redis-server, prints its four tables and writes every figure; the dialects' jobs are the
 same jobs as kiln's route's, every held call is answered with its job's image while the gateway
 holds no thread per call, and each fan-out pass delivers every event to every watcher once, in
 order."""
@@ -42,7 +42,8 @@ def test_the_gateway_bench_measures_every_figure(tiny_dir: Path, tmp_path: Path)
         assert title in done.stdout
 
     job = figures["per_job"]
-    for path in ("python", "http", "openai"):
+    assert set(job["dialects"]) == {"openai", "a1111"}  # every dialect the gateway serves
+    for path in ("python", "http", "openai", "a1111"):
         assert job[path]["jobs"] == 2
         assert 0 < job[path]["outside_render_median_s"] < job[path]["median_s"] < 60
         assert job[path]["redis_cmds_per_job"] > 0
