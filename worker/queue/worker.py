@@ -18,12 +18,11 @@ Where RQ calls in, in its order (the hooks KilnWorker overrides, marked *):
   *set_state and *get_heartbeat_ttl keep RQ's per-job writes away.
 - RQ's pub/sub thread: *get_current_job_id, *handle_payload and *kill_horse take only a stop-job
   for the running job.
-- Signals: *request_stop finishes the job and exits; a second, *request_force_stop, stops it at
-  its next step and re-queues it. *teardown at exit.
+- Signals: *request_stop finishes the job and exits (idle: at once, Redis or not); a second,
+  *request_force_stop, stops it at its next step and re-queues it. *teardown at exit.
 
-Over 400 lines because every RQ hook KilnWorker overrides stays on it, beside the job's steps
-they run around: RQ's order of calls is the thing to read together (tests/test_rq_contract.py
-holds each override to rq's signature).
+Over 400 lines because each RQ hook KilnWorker overrides stays beside the job's steps it runs
+around, in RQ's order of calls (tests/test_rq_contract.py holds each to rq's signature).
 """
 
 from __future__ import annotations
@@ -247,9 +246,9 @@ class KilnWorker(SimpleWorker):
                     return None
                 self.repair.call(None, self.claimer.wait)
                 backoff_s = 1.0
-            except RedisConnectionError as exc:  # as RQ's dequeue loop: wait and try again
-                log.error("could not reach Redis: %s; retrying in %.0f s", exc, backoff_s)
-                time.sleep(backoff_s)
+            except RedisConnectionError as exc:  # the watch logs the outage once (redis_lost)
+                self.outages.watch.failed(exc)
+                time.sleep(0 if self.outages.watch.leaving.is_set() else backoff_s)
                 backoff_s = min(backoff_s * 2, self.max_connection_wait_time)
 
     def _claim(self) -> tuple[Job, Queue] | None:
@@ -318,9 +317,7 @@ class KilnWorker(SimpleWorker):
     def checked(self, job: Job) -> RenderJob:
         if not isinstance(job, RenderJob):  # its queues are made with job_class=RenderJob
             raise TypeError(f"job {job.id} is a {type(job).__name__}, not a RenderJob")
-        if self.job_timeout_s is not None and (
-            job.timeout is None or not 0 < job.timeout <= self.job_timeout_s
-        ):
+        if self.job_timeout_s is not None and not 0 < (job.timeout or 0) <= self.job_timeout_s:
             job.timeout = self.job_timeout_s
         return job
 
@@ -328,6 +325,7 @@ class KilnWorker(SimpleWorker):
         """Busy, and the claimed job is this worker's running one (LeaseKeeper.take: the Pulse
         pushes its lease from here)."""
         self._state = WorkerStatus.BUSY
+        self.outages.watch.leaving.clear()  # claimed as a stop came: the job rides out outages
         claimed, self._claimed = self._claimed, None
         if claimed is None or claimed.job_id != job.id:
             raise RuntimeError(f"job {job.id} was not claimed by this worker")
@@ -475,8 +473,9 @@ class KilnWorker(SimpleWorker):
         """rq's listener on this worker's channel, reading LISTEN_S at a time, not rq's 60 s."""
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        errors = self.outages.watch.quiet_pubsub(self._pubsub_exception_handler)
         self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]
-            sleep_time=LISTEN_S, daemon=True, exception_handler=self._pubsub_exception_handler
+            sleep_time=LISTEN_S, daemon=True, exception_handler=errors
         )
 
     def handle_payload(self, message: Any) -> None:
@@ -504,23 +503,21 @@ class KilnWorker(SimpleWorker):
             )
 
     def kill_horse(self, sig: Any = None) -> None:
-        """Never called by a command (handle_payload takes none that would): a kiln worker has
-        no horse, and stops its render through `cancelled`."""
+        """Never called by a command (handle_payload takes none): the render stops through this."""
         self.cancelled.set()
 
     def get_heartbeat_ttl(self, job: Job) -> int:
         return self.heartbeat_ttl_s
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        """RQ's loop calls this around every dequeue: here it only stops the loop when asked to.
-        The worker's hash is kept alive by the Pulse thread (publish_state), not once a job."""
+        """RQ's, around every dequeue: here it stops the loop when asked to (the Pulse beats)."""
         if self._stop_requested and not self._holding_job:
             # RQ's dequeue loop heartbeats before each blocking pop: the safe point to stop.
+            self.outages.watch.leaving.set()  # RQ's teardown next: no minute of retries
             raise StopRequested()
 
     def check_for_suspension(self, burst: bool) -> None:
-        # `rq suspend` is read by the claim script itself (worker/queue/claim.py): a suspended
-        # worker claims nothing from the instant the key is set, and says so in its state.
+        # `rq suspend` is read by the claim script (worker/queue/claim.py) from the instant set.
         return None
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
@@ -572,7 +569,7 @@ class KilnWorker(SimpleWorker):
     # -- shutdown ---------------------------------------------------------------------------------
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
-        """First SIGTERM/SIGINT: finish the current job (if any), then exit.
+        """First SIGTERM/SIGINT: finish the current job (if any), then exit; idle, at once.
 
         Unlike RQ, never raise from the handler: an exception landing between a dequeue and the
         job's registration would drop the job on the floor. The loop stops at its next heartbeat.
@@ -583,7 +580,10 @@ class KilnWorker(SimpleWorker):
         signal.signal(signal.SIGTERM, self.request_force_stop)
         self._shutdown_requested_date = datetime.now(timezone.utc)
         self._stop_requested = True
-        log.warning("warm shutdown requested (signal %s): finishing the current job", signum)
+        if not self._holding_job:  # Redis is waited on no more (RedisWatch.leaving)
+            self.outages.watch.leaving.set()
+        doing = "finishing the current job" if self._holding_job else "no job running, stopping"
+        log.warning("warm shutdown requested (signal %s): %s", signum, doing)
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: stop the running job at its next step and put it back on its queue."""

@@ -38,6 +38,10 @@ class RedisWatch:
         self._lock = threading.Lock()
         self.lost_at: float | None = None
         self.regained_at = -math.inf
+        # Set when the worker stops holding no job: a command that fails raises at once instead
+        # of retrying for a minute, so a shutdown never waits on an absent Redis.
+        self.leaving = threading.Event()
+        self.calls = threading.local()  # depth: a connect retried inside a command's retry
 
     def failed(self, error: BaseException, attempt_started: float | None = None) -> None:
         """A command failed. One sent before Redis last came back (attempt_started, monotonic)
@@ -49,6 +53,21 @@ class RedisWatch:
                 return
             self.lost_at = time.monotonic()
         events.warning("redis_lost", error=f"{type(error).__name__}: {error}")
+
+    def quiet_pubsub(
+        self, otherwise: Callable[[Exception, Any, Any], None]
+    ) -> Callable[[Exception, Any, Any], None]:
+        """The handler of RQ's pub/sub thread (`otherwise`: RQ's own) without RQ's line every
+        2 s while Redis is away: each failed try already told the watch (WatchedRetry). Once
+        the worker is leaving, the thread stops trying."""
+
+        def handle(error: Exception, pubsub: Any, thread: Any) -> None:
+            if not isinstance(error, REDIS_ERRORS):
+                otherwise(error, pubsub, thread)
+            elif self.leaving.wait(2.0):
+                thread.stop()  # on its own thread, redis-py's stop() does not join
+
+        return handle
 
     def answered(self) -> None:
         """A command succeeded: the end of the outage, if there is one."""
@@ -87,7 +106,11 @@ class WatchedRetry(Retry):
     def call_with_retry(
         self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> T:
+        """Only the outermost call's success is Redis answering: a connect (retried inside the
+        command's retry) that opens a socket is not, e.g. to a proxy whose Redis is down."""
         started = time.monotonic()
+        calls = self.watch.calls
+        depth = getattr(calls, "depth", 0)
 
         def attempt() -> T:
             nonlocal started
@@ -96,10 +119,18 @@ class WatchedRetry(Retry):
 
         def failed(error: Exception, *count: Any) -> Any:
             self.watch.failed(error, started)
-            return fail(error, *count)
+            outcome = fail(error, *count)
+            if self.watch.leaving.is_set():
+                raise error
+            return outcome
 
-        result: T = super().call_with_retry(attempt, failed, *args, **kwargs)
-        self.watch.answered()
+        calls.depth = depth + 1
+        try:
+            result: T = super().call_with_retry(attempt, failed, *args, **kwargs)
+        finally:
+            calls.depth = depth
+        if depth == 0:
+            self.watch.answered()
         return result
 
 
