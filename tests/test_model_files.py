@@ -23,6 +23,7 @@ from tests.support.images import pixels
 from tests.support.inprocess import burst, client_for, make_renderer
 from worker.manifest import load_manifests
 from worker.memory.device import probe
+from worker.ops.new_manifest import read_header, tell_family
 from worker.pipelines.adapters import read_adapter
 from worker.pipelines.loading import read_pipeline
 from worker.pipelines.tiny.files import KOHYA_LORA
@@ -218,3 +219,85 @@ def test_manifests_new_reads_a_gguf_transformer(tmp_path: Path) -> None:
     assert manifest.family == "flux" and manifest.components["transformer"].gguf
     assert "transformer" not in manifest.quantize, "a GGUF file is what it holds"
     assert "(Q8_0)" in (tmp_path / "flux1-dev-q8_0.yaml").read_text()
+
+
+def _render(loaded: Any, seed: int = 4) -> Any:
+    generator = torch.Generator().manual_seed(seed)
+    out = loaded.pipe(
+        "a fox", num_inference_steps=2, height=128, width=128, generator=generator, output_type="np"
+    )
+    return out.images[0]
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_a_single_file_checkpoint_renders_the_pixels_of_its_diffusers_twin(
+    settings: Any, family: str
+) -> None:
+    """tiny-<family>.safetensors holds the tiny pipeline's own weights in the original layout
+    (LDM, SGM); from_single_file with the twin's directory as config reads them back exactly."""
+    from api_client.manifest import load_manifest_file
+
+    info = probe(settings)
+    twin = load_manifest_file(MANIFESTS / f"tiny-{family}.yaml").model_copy(
+        update={"loras": {}, "controlnets": {}, "ip_adapter": None, "taesd": None}
+    )
+    single = load_manifest_file(MANIFESTS / f"tiny-{family}-file.yaml").model_copy(
+        update={"loras": {}}
+    )
+    header = read_header(settings.models_dir / single.source)
+    assert tell_family(header) == (family, True), "manifests new tells the tiny file's family"
+    from_file = read_pipeline(single, info, settings)
+    assert any("one checkpoint file" in n.reason for n in from_file.settings.applied)
+    assert np.array_equal(_render(read_pipeline(twin, info, settings)), _render(from_file))
+
+
+SINGLE_ON_THE_HUB = """\
+id: civitai-sdxl
+family: sdxl
+source: someone/civitai-sdxl/juggernaut.safetensors
+config: stabilityai/stable-diffusion-xl-base-1.0
+steps: {default: 20, max: 50}
+guidance: {default: 6.0, max: 12.0}
+resolutions: [[1024, 1024]]
+min_vram_gb: 10
+"""
+
+
+def test_pull_takes_a_single_file_and_its_config_and_never_fetches_offline(
+    settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from api_client.manifest import load_manifest_file
+    from worker.pipelines.pull import PullError, fetches, missing, pull
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    fetched: list[str] = []
+    for name in ("snapshot_download", "hf_hub_download"):
+        real = getattr(huggingface_hub, name)
+        monkeypatch.setattr(
+            huggingface_hub,
+            name,
+            lambda repo, *a, _real=real, local_files_only=False, **k: (
+                (fetched.append(repo) if not local_files_only else None)
+                or _real(repo, *a, local_files_only=local_files_only, **k)
+            ),
+        )
+    (tmp_path / "civitai-sdxl.yaml").write_text(SINGLE_ON_THE_HUB)
+    manifest = load_manifest_file(tmp_path / "civitai-sdxl.yaml")
+    wanted = fetches(manifest, settings.models_dir)
+    assert [(f.repo, f.allow_patterns[0], f.configs_only) for f in wanted] == [
+        ("someone/civitai-sdxl", "juggernaut.safetensors", False),
+        ("stabilityai/stable-diffusion-xl-base-1.0", "model_index.json", True),
+    ]
+    assert not any(p.endswith(".safetensors") for p in wanted[1].allow_patterns), "configs only"
+    models = {manifest.id: manifest}
+    assert "someone/civitai-sdxl" in missing(models, settings.models_dir)[manifest.id]
+    with pytest.raises(PullError, match="HF_HUB_OFFLINE is set"):
+        pull(models, settings.models_dir, say=lambda _line: None)
+    assert fetched == [], "offline: nothing fetched"
+    tiny = load_manifests(MANIFESTS, ["tiny-sd15-file", "tiny-sdxl-file"])
+    assert [fetches(m, settings.models_dir) for m in tiny.values()] == [[], []], "on this disk"

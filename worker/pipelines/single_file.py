@@ -99,6 +99,8 @@ def read_weights(
         )
         config = weights_source(manifest, models_dir, manifest.config).location
         single = {k: v for k, v in kwargs.items() if k not in ("use_safetensors", "revision")}
+        if "text_encoder_2" not in single:
+            single.update(_sgm_open_clip(path, config, dtype))
         read.pipe = pipeline_cls.from_single_file(
             str(path), config=config, local_files_only=offline(), **single
         )
@@ -109,6 +111,33 @@ def read_weights(
         kwargs["variant"] = manifest.variant
     read.pipe = pipeline_cls.from_pretrained(source.location, **kwargs)
     return read
+
+
+SGM_OPEN_CLIP = "conditioner.embedders.1.model."
+
+
+def _sgm_open_clip(path: Path, config: str, dtype: torch.dtype) -> dict[str, Any]:
+    """An SGM file's second text encoder (OpenCLIP-G), read through diffusers' OpenCLIP
+    converter: diffusers picks a CLIP converter by the encoders' widths, and takes CLIP-L's for
+    a model whose two encoders are equally wide (the tiny sdxl's). {} for other files."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        names = [k for k in handle.keys() if k.startswith(SGM_OPEN_CLIP)]  # noqa: SIM118
+        if not names:
+            return {}
+        tensors = {k: handle.get_tensor(k) for k in names}
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    text_config = CLIPTextConfig.from_pretrained(
+        config, subfolder="text_encoder_2", local_files_only=offline()
+    )
+    model = CLIPTextModelWithProjection(text_config)
+    state = convert_open_clip_checkpoint(model, tensors, prefix=SGM_OPEN_CLIP)
+    model.load_state_dict(state, strict=True)
+    encoder: torch.nn.Module = model
+    return {"text_encoder_2": encoder.to(dtype=dtype).eval()}
 
 
 def read_component(

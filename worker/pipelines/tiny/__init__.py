@@ -46,7 +46,9 @@ __all__ = [
 # <pipeline>/controlnets for sd15 and flux (worker.pipelines.tiny.controlnet). 6: for sdxl, sd3,
 # qwenimage and zimage too, and tiny-upscaler (worker.pipelines.tiny.upscaler). 7: a tiny
 # IP-Adapter in <pipeline>/ip_adapter for sd15 and sdxl (worker.pipelines.tiny.ip_adapter).
-BUILDER_VERSION: Final = 7
+# 8: self-hosters' files of the same weights: single-file sd15/sdxl, a kohya LoRA, a GGUF flux
+# transformer (worker.pipelines.tiny.files).
+BUILDER_VERSION: Final = 8
 STAMP_FILE: Final = "kiln_tiny.json"
 
 # Everything the build makes, from the families' rows: the tiny pipelines (one a family, and

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +33,9 @@ def save_model_files(directory: Path, lora_weight_name: str) -> None:
     if pipeline == "StableDiffusionPipeline":
         peft_file = directory / "loras" / KOHYA_FROM / lora_weight_name
         kohya_lora(peft_file, directory / "loras" / KOHYA_LORA)
+    if pipeline in SINGLE_FILES:
+        name, layout = SINGLE_FILES[pipeline]
+        save_file(layout(directory), directory / name)
 
 
 def kohya_lora(peft_file: Path, out: Path) -> None:
@@ -51,3 +54,190 @@ def kohya_lora(peft_file: Path, out: Path) -> None:
         else:
             raise ValueError(f"{peft_file}: {key} is no lora_A / lora_B weight of a UNet")
     save_file(tensors, out, metadata={"ss_network_module": "networks.lora"})
+
+
+def _weights(directory: Path, component: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A saved component's tensors and config."""
+    folder = directory / component
+    weights = next(folder.glob("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return load_file(weights), config
+
+
+def ldm_file(directory: Path) -> dict[str, torch.Tensor]:
+    """An SD1.5 pipeline in one LDM-layout file: the UNet under model.diffusion_model., the
+    VAE under first_stage_model., CLIP-L under cond_stage_model.transformer."""
+    unet, unet_config = _weights(directory, "unet")
+    vae, vae_config = _weights(directory, "vae")
+    text, _ = _weights(directory, "text_encoder")
+    return {
+        **_prefixed("model.diffusion_model.", unet_to_ldm(unet, unet_config)),
+        **_prefixed("first_stage_model.", vae_to_ldm(vae, vae_config)),
+        **_prefixed("cond_stage_model.transformer.", _text_model(text)),
+    }
+
+
+def sgm_file(directory: Path) -> dict[str, torch.Tensor]:
+    """An SDXL pipeline in one SGM-layout file: as LDM's, with CLIP-L under
+    conditioner.embedders.0.transformer. and OpenCLIP-G under conditioner.embedders.1.model."""
+    unet, unet_config = _weights(directory, "unet")
+    vae, vae_config = _weights(directory, "vae")
+    text, _ = _weights(directory, "text_encoder")
+    text_2, _ = _weights(directory, "text_encoder_2")
+    return {
+        **_prefixed("model.diffusion_model.", unet_to_ldm(unet, unet_config)),
+        **_prefixed("first_stage_model.", vae_to_ldm(vae, vae_config)),
+        **_prefixed("conditioner.embedders.0.transformer.", _text_model(text)),
+        **_prefixed("conditioner.embedders.1.model.", clip_to_openclip(text_2)),
+    }
+
+
+def _text_model(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CLIP-L's keys as the original files hold them, under text_model. (transformers 5.6+
+    saves a CLIPTextModel flattened, without it)."""
+    return {k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in text.items()}
+
+
+def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + k: v.contiguous().clone() for k, v in tensors.items()}
+
+
+def _renamed(
+    tensors: dict[str, torch.Tensor], prefixes: dict[str, str], inner: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """Each key's longest matching diffusers prefix replaced by its original one; inner renames
+    (a resnet's layers) apply inside the prefixes whose original name they are listed for."""
+    out = {}
+    for key, tensor in tensors.items():
+        prefix = max((p for p in prefixes if key.startswith(p)), key=len, default="")
+        rest = key[len(prefix) :]
+        if ".resnets." in prefix:
+            for new, old in inner.items():
+                rest = rest.replace(new, old)
+        out[prefixes.get(prefix, "") + rest] = tensor
+    return out
+
+
+UNET_LAYERS = {
+    "time_embedding.linear_1.": "time_embed.0.",
+    "time_embedding.linear_2.": "time_embed.2.",
+    "add_embedding.linear_1.": "label_emb.0.0.",
+    "add_embedding.linear_2.": "label_emb.0.2.",
+    "conv_in.": "input_blocks.0.0.",
+    "conv_norm_out.": "out.0.",
+    "conv_out.": "out.2.",
+    "mid_block.resnets.0.": "middle_block.0.",
+    "mid_block.attentions.0.": "middle_block.1.",
+    "mid_block.resnets.1.": "middle_block.2.",
+}
+UNET_RESNET = {
+    "norm1": "in_layers.0",
+    "conv1": "in_layers.2",
+    "norm2": "out_layers.0",
+    "conv2": "out_layers.3",
+    "time_emb_proj": "emb_layers.1",
+    "conv_shortcut": "skip_connection",
+}
+
+
+def unet_to_ldm(unet: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A diffusers UNet2DConditionModel's keys in the original (LDM / SGM) names: input_blocks
+    count each down block's resnets and its downsampler, output_blocks each up block's resnets,
+    the upsampler after the attention where the block has one."""
+    per = config["layers_per_block"] + 1
+    prefixes = dict(UNET_LAYERS)
+    for i in range(len(config["block_out_channels"])):
+        for j in range(per - 1):
+            prefixes[f"down_blocks.{i}.resnets.{j}."] = f"input_blocks.{1 + i * per + j}.0."
+            prefixes[f"down_blocks.{i}.attentions.{j}."] = f"input_blocks.{1 + i * per + j}.1."
+        prefixes[f"down_blocks.{i}.downsamplers.0.conv."] = f"input_blocks.{(i + 1) * per}.0.op."
+        attention = any(k.startswith(f"up_blocks.{i}.attentions.") for k in unet)
+        for j in range(per):
+            prefixes[f"up_blocks.{i}.resnets.{j}."] = f"output_blocks.{i * per + j}.0."
+            prefixes[f"up_blocks.{i}.attentions.{j}."] = f"output_blocks.{i * per + j}.1."
+        where = f"output_blocks.{i * per + per - 1}.{2 if attention else 1}.conv."
+        prefixes[f"up_blocks.{i}.upsamplers.0.conv."] = where
+    return _renamed(unet, prefixes, UNET_RESNET)
+
+
+def vae_to_ldm(vae: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """An AutoencoderKL's keys in LDM's names: the decoder's up blocks numbered the other way,
+    the mid attention's linear layers as 1x1 convolutions."""
+    count = len(config["block_out_channels"])
+    prefixes = {
+        "encoder.conv_norm_out.": "encoder.norm_out.",
+        "decoder.conv_norm_out.": "decoder.norm_out.",
+    }
+    for i in range(count):
+        for j in range(config["layers_per_block"] + 1):
+            prefixes[f"encoder.down_blocks.{i}.resnets.{j}."] = f"encoder.down.{i}.block.{j}."
+            prefixes[f"decoder.up_blocks.{i}.resnets.{j}."] = (
+                f"decoder.up.{count - 1 - i}.block.{j}."
+            )
+        prefixes[f"encoder.down_blocks.{i}.downsamplers.0.conv."] = (
+            f"encoder.down.{i}.downsample.conv."
+        )
+        prefixes[f"decoder.up_blocks.{i}.upsamplers.0.conv."] = (
+            f"decoder.up.{count - 1 - i}.upsample.conv."
+        )
+    for part in ("encoder", "decoder"):
+        for k in range(2):
+            prefixes[f"{part}.mid_block.resnets.{k}."] = f"{part}.mid.block_{k + 1}."
+        prefixes[f"{part}.mid_block.attentions.0."] = f"{part}.mid.attn_1."
+    out = _renamed(vae, prefixes, {"conv_shortcut": "nin_shortcut"})
+    attention = {
+        "group_norm.": "norm.",
+        "to_q.": "q.",
+        "to_k.": "k.",
+        "to_v.": "v.",
+        "to_out.0.": "proj_out.",
+    }
+    for key in [k for k in out if ".mid.attn_1." in k]:
+        head, _, tail = key.partition(".mid.attn_1.")
+        for new, old in attention.items():
+            tail = tail.replace(new, old, 1) if tail.startswith(new) else tail
+        tensor = out.pop(key)
+        out[f"{head}.mid.attn_1.{tail}"] = tensor[:, :, None, None] if tensor.ndim == 2 else tensor
+    return out
+
+
+OPENCLIP = {
+    "text_model.encoder.layers.": "transformer.resblocks.",
+    "layer_norm1": "ln_1",
+    "layer_norm2": "ln_2",
+    ".fc1.": ".c_fc.",
+    ".fc2.": ".c_proj.",
+    ".self_attn.out_proj.": ".attn.out_proj.",
+}
+
+
+def clip_to_openclip(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers CLIPTextModelWithProjection in OpenCLIP's names, as SGM holds SDXL's second
+    text encoder: q, k and v in one in_proj, the projection transposed."""
+    out: dict[str, torch.Tensor] = {
+        "token_embedding.weight": text["text_model.embeddings.token_embedding.weight"],
+        "positional_embedding": text["text_model.embeddings.position_embedding.weight"],
+        "ln_final.weight": text["text_model.final_layer_norm.weight"],
+        "ln_final.bias": text["text_model.final_layer_norm.bias"],
+        "text_projection": text["text_projection.weight"].T,
+    }
+    for key, tensor in text.items():
+        if not key.startswith("text_model.encoder.layers.") or ".self_attn.k_proj." in key:
+            continue
+        if ".self_attn.v_proj." in key:
+            continue
+        if ".self_attn.q_proj." in key:
+            kind = key.rpartition(".")[2]
+            stem = key.partition(".self_attn.")[0]
+            parts = [text[f"{stem}.self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            key, tensor = f"{stem}.attn.in_proj_{kind}", torch.cat(parts)
+        for new, old in OPENCLIP.items():
+            key = key.replace(new, old)
+        out[key] = tensor
+    return out
+
+
+SINGLE_FILES: Final = {
+    "StableDiffusionPipeline": ("tiny-sd15.safetensors", ldm_file),
+    "StableDiffusionXLPipeline": ("tiny-sdxl.safetensors", sgm_file),
+}
