@@ -38,6 +38,7 @@ import psutil
 import torch
 
 from api_client.manifest import Manifest
+from api_client.model_files import is_single_file
 from worker.manifest import weights_source
 from worker.memory.device import DeviceInfo
 from worker.pipelines.loading import choose_dtype, read_pipeline
@@ -212,6 +213,8 @@ def read_estimate(manifest: Manifest, info: DeviceInfo, settings: Settings) -> i
     safetensors files its pipeline loads (their headers only), floating ones at the dtype it
     loads in, before quantization (so an upper bound where the manifest quantizes); None when
     the weights are neither local nor in the hub cache."""
+    if manifest.components or is_single_file(manifest.source):
+        return None  # one checkpoint file or a component's own (GGUF): no estimate yet
     source = weights_source(manifest, settings.models_dir)
     if source.local:
         folder: Path | None = Path(source.location)
