@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from api_client.samplers import SAMPLERS, SIGMAS, Sampler, Sigmas
 from api_client.schema import Mode
 
 Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage", "upscaler"]
@@ -112,6 +113,27 @@ class FamilyRow:
     # Manifest fields of another kind, refused naming each, and why (default: an upscaler's).
     foreign: tuple[str, ...] = ("scale", "tile")
     foreign_why: str = ""
+    # The samplers a request may ask of it (what diffusers' schedulers run for it here:
+    # worker.pipelines.samplers maps each onto one), and the sigma schedules each takes beside
+    # normal. Empty: it takes no sampler. A manifest may narrow them (Manifest.samplers).
+    samplers: tuple[Sampler, ...] = ()
+    schedules: Mapping[Sampler, tuple[Sigmas, ...]] = field(default_factory=dict)
+    # Its denoiser predicts a flow (rectified flow, FlowMatch* schedulers), not noise: the
+    # schedulers that run it are the flow solvers (worker.pipelines.samplers.FLOW).
+    flow_matching: bool = False
+    # Samplers it runs from noise only, and why: img2img, inpaint and a hires pass start part-way
+    # through the schedule, which these schedulers cannot here.
+    txt2img_only: Mapping[Sampler, str] = field(default_factory=dict)
+    # The samplers an edit model of the family takes (its edit pipeline class's); None: samplers.
+    edit_samplers: tuple[Sampler, ...] | None = None
+
+    def samplers_for(self, edit: bool) -> tuple[Sampler, ...]:
+        """The samplers a model of the family takes: an edit model's (edit), or the family's."""
+        return self.edit_samplers if edit and self.edit_samplers is not None else self.samplers
+
+    def sigmas_for(self, sampler: Sampler) -> tuple[Sigmas, ...]:
+        """The sigma schedules the sampler takes on this family: normal, then its own."""
+        return ("normal", *self.schedules.get(sampler, ()))
 
     @property
     def step_cache(self) -> bool:
@@ -144,6 +166,28 @@ def _sd_unet(name: str) -> str:
 
 
 _SD_CONTROL = ControlRule(TXT2IMG_INPAINT)
+# An epsilon or v-prediction UNet runs every sampler kiln names (diffusers' A1111 table); those
+# whose scheduler class takes use_karras/exponential/beta_sigmas take those schedules.
+_NOISE_SCHEDULES: dict[Sampler, tuple[Sigmas, ...]] = dict.fromkeys(
+    ("euler", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_sde", "uni_pc"), SIGMAS[1:]
+)
+# A flow-matching denoiser runs diffusers' flow solvers: each family's list is what renders on its
+# tiny model (tests/test_samplers.py). FlowMatchEuler and FlowMatchLCM take the three schedules;
+# FlowMatchHeun takes none, and the multistep solvers on flow sigmas render NaN at them.
+_FLOW_SCHEDULES: dict[Sampler, tuple[Sigmas, ...]] = dict.fromkeys(
+    ("euler", "euler_ancestral", "lcm"), SIGMAS[1:]
+)
+_NO_SCALE_NOISE = (
+    "diffusers' {} has no scale_noise, which the flow pipelines' img2img and inpaint call"
+)
+_FLOW_TXT2IMG_ONLY: dict[Sampler, str] = {
+    "dpmpp_2m": _NO_SCALE_NOISE.format("DPMSolverMultistepScheduler"),
+    "dpmpp_2m_sde": _NO_SCALE_NOISE.format("DPMSolverMultistepScheduler"),
+    "uni_pc": _NO_SCALE_NOISE.format("UniPCMultistepScheduler"),
+}
+# What SD3's and FLUX's pipelines run; Heun runs on SD3 alone: the others hand set_timesteps
+# their own sigmas, which FlowMatchHeun's does not take.
+_FLOW_SOLVERS: tuple[Sampler, ...] = ("euler", "euler_ancestral", "dpmpp_2m", "dpmpp_2m_sde")
 # SD3's, Qwen-Image's and Z-Image's ControlNets run in txt2img only: diffusers has no ControlNet
 # img2img for them, and their ControlNet inpaint pipelines run an inpainting ControlNet (the
 # masked image is its control image) with no image or strength: another checkpoint's task.
@@ -159,6 +203,8 @@ FAMILIES: dict[str, FamilyRow] = {
             no_step_cache=_sd_unet("sd15"),
             control=_SD_CONTROL,
             reference=TXT2IMG_INPAINT,
+            samplers=SAMPLERS,
+            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sd2",
@@ -168,6 +214,8 @@ FAMILIES: dict[str, FamilyRow] = {
             control=_SD_CONTROL,  # SD 2.x ControlNets run in the same pipelines
             reference="no IP-Adapter is published for SD 2.x (h94/IP-Adapter's are for SD1.5 and"
             " SDXL)",
+            samplers=SAMPLERS,
+            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sdxl",
@@ -177,6 +225,8 @@ FAMILIES: dict[str, FamilyRow] = {
             # Union ControlNets (StableDiffusionXLControlNetUnion*Pipeline) in all three modes.
             control=ControlRule(TXT2IMG_INPAINT, union=True),
             reference=TXT2IMG_INPAINT,
+            samplers=SAMPLERS,
+            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sd3",
@@ -186,6 +236,10 @@ FAMILIES: dict[str, FamilyRow] = {
             control=ControlRule(),
             reference="kiln does not run SD3.5's IP-Adapter yet (InstantX's, for SD3.5 Large"
             " only, through diffusers' SD3IPAdapterMixin)",
+            flow_matching=True,
+            samplers=(*_FLOW_SOLVERS, "heun", "uni_pc", "lcm"),
+            schedules=_FLOW_SCHEDULES,
+            txt2img_only=_FLOW_TXT2IMG_ONLY,
         ),
         FamilyRow(
             "flux",
@@ -203,6 +257,12 @@ FAMILIES: dict[str, FamilyRow] = {
             control=ControlRule(),
             reference="kiln does not run FLUX.1's IP-Adapter yet (XLabs', through diffusers'"
             " FluxIPAdapterMixin)",
+            flow_matching=True,
+            samplers=(*_FLOW_SOLVERS, "uni_pc", "lcm"),
+            schedules=_FLOW_SCHEDULES,
+            txt2img_only=_FLOW_TXT2IMG_ONLY,
+            # FluxKontextPipeline hands set_timesteps its sigmas even on flow sigmas: no DPM-Solver.
+            edit_samplers=("euler", "euler_ancestral", "uni_pc", "lcm"),
         ),
         FamilyRow(
             "flux2",
@@ -218,6 +278,10 @@ FAMILIES: dict[str, FamilyRow] = {
             control="FLUX.2 klein has no ControlNet (none published for it, none in diffusers"
             " 0.42)",
             reference=f"FLUX.2 klein {_NO_IP}",
+            flow_matching=True,
+            samplers=(*_FLOW_SOLVERS, "uni_pc", "lcm"),
+            schedules=_FLOW_SCHEDULES,
+            txt2img_only=_FLOW_TXT2IMG_ONLY,
         ),
         FamilyRow(
             "qwenimage",
@@ -231,6 +295,14 @@ FAMILIES: dict[str, FamilyRow] = {
                 " union checkpoint over several images, not several checkpoints)"
             ),
             reference=f"Qwen-Image {_NO_IP}",
+            flow_matching=True,
+            # Its pipelines hand set_timesteps their sigmas: no Heun or DPM-Solver; UniPC takes
+            # them. Its edit pipeline has no tiny model here: only the FlowMatch schedulers,
+            # whose set_timesteps and scale_noise are its own scheduler's.
+            samplers=("euler", "euler_ancestral", "uni_pc", "lcm"),
+            schedules=_FLOW_SCHEDULES,
+            txt2img_only={"uni_pc": _FLOW_TXT2IMG_ONLY["uni_pc"]},
+            edit_samplers=("euler", "euler_ancestral", "lcm"),
         ),
         FamilyRow(
             "zimage",
@@ -244,6 +316,10 @@ FAMILIES: dict[str, FamilyRow] = {
                 " or end",
             ),
             reference=f"Z-Image {_NO_IP}",
+            flow_matching=True,
+            # Z-Image hands set_timesteps its own sigmas: no Heun, DPM-Solver or UniPC.
+            samplers=("euler", "euler_ancestral", "lcm"),
+            schedules=_FLOW_SCHEDULES,
         ),
         # One forward pass over the image (Real-ESRGAN and kin, through spandrel), guided by
         # nothing: its steps and guidance, which every manifest has, are fixed, and a request

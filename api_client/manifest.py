@@ -27,6 +27,7 @@ from api_client.families import FAMILIES, Family, FamilyRow, families_with, fami
 from api_client.loras import LoraSpec, check_lora_names
 from api_client.model_files import ComponentFile, check_components, source_refusal
 from api_client.references import IPAdapterSpec, reference_refusal
+from api_client.samplers import Sampler
 from api_client.schema import (
     Mode,
     Rung,
@@ -204,6 +205,9 @@ class Manifest(_Strict):
     compile_method: Literal["auto", "regional", "whole"] = "auto"
     # What requests may ask for; an input image's modes only where the manifest lists them.
     modes: list[Mode] = Field(default_factory=lambda: list(TXT2IMG_ONLY), min_length=1)
+    # The samplers a request may ask for (api_client.samplers): its family's (an edit model's:
+    # its edit pipeline's) where the manifest is silent, else those it lists, each one of them.
+    samplers: list[Sampler] = Field(default_factory=list)
     benchmark_only: bool = False
     optimizations: dict[SwitchName, Switch] = Field(default_factory=dict)
     # An AutoencoderTiny (TAESD) for cheap previews while denoising: hub id or local directory.
@@ -246,7 +250,25 @@ class Manifest(_Strict):
         ]
         if present:
             raise ValueError(f"{', '.join(present)}: {row.foreign_refusal()}")
-        return {**row.fixed, **data}
+        edit = "edit" in (data.get("modes") or ())
+        return {**row.fixed, "samplers": list(row.samplers_for(edit)), **data}
+
+    @field_validator("samplers")
+    @classmethod
+    def _samplers_the_family_takes(cls, samplers: list[str], info: ValidationInfo) -> list[str]:
+        row = FAMILIES.get(info.data.get("family") or "")
+        edit = "edit" in (info.data.get("modes") or ())
+        taken = () if row is None else row.samplers_for(edit)
+        refused = [name for name in samplers if name not in taken]
+        if refused and row is not None:
+            offered = ", ".join(taken) or "none"
+            whose = f"a {row.name} edit model" if edit else f"family {row.name}"
+            raise ValueError(
+                f"{', '.join(refused)}: {whose} takes no such sampler; it takes {offered}"
+            )
+        if len(set(samplers)) < len(samplers):
+            raise ValueError(f"{samplers!r} must name each sampler once")
+        return samplers
 
     @model_validator(mode="after")
     def _weights_or_sizes(self) -> Manifest:

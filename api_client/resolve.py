@@ -90,6 +90,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         request.reference, manifest.ip_adapter, manifest.id, manifest.family, mode, problems
     )
     hires = _hires(request, manifest, mode, (width, height), problems)
+    problems += _sampler_problems(request, manifest, mode)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
     return request.model_copy(
@@ -275,6 +276,8 @@ def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderReques
         "rung": request.rung not in (None, "full"),
         "compile": bool(request.compile),
         "step_cache": bool(request.step_cache),
+        "sampler": request.sampler is not None,
+        "sigmas": request.sigmas is not None,
     }
     for field, given in unused.items():
         if given:
@@ -304,6 +307,36 @@ def _resolve_upscale(request: RenderRequest, manifest: Manifest) -> RenderReques
             "seed": 0,  # an upscaler draws no noise
         }
     )
+
+
+def _sampler_problems(request: RenderRequest, manifest: Manifest, mode: str) -> list[Problem]:
+    """The request's sampler against those its manifest takes (its family's, or fewer), its
+    sigmas against those the sampler takes on the family, and a sampler that runs from noise
+    only against a mode or a hires pass that starts part-way (api_client.samplers)."""
+    sampler, sigmas, row = request.sampler, request.sigmas, manifest.family_row
+    if sampler is None:
+        if sigmas is None:
+            return []
+        rule = "a sigma schedule is a sampler's: name the sampler too"
+        return [Problem("sigmas", sigmas, f"{rule} ({_samplers_taken(manifest)})")]
+    if sampler not in manifest.samplers:
+        return [Problem("sampler", sampler, _samplers_taken(manifest))]
+    problems = []
+    if sigmas is not None and sigmas not in row.sigmas_for(sampler):
+        rule = f"sampler {sampler} on {manifest.family} takes {', '.join(row.sigmas_for(sampler))}"
+        problems.append(Problem("sigmas", sigmas, rule))
+    partway = "a hires pass" if request.hires is not None else mode
+    if sampler in row.txt2img_only and partway in ("img2img", "inpaint", "a hires pass"):
+        rule = f"runs from noise only on {manifest.family}, and {partway} starts part-way:"
+        problems.append(Problem("sampler", sampler, f"{rule} {row.txt2img_only[sampler]}"))
+    return problems
+
+
+def _samplers_taken(manifest: Manifest) -> str:
+    """The samplers a model takes, in words for a refusal."""
+    if not manifest.samplers:
+        return f"model {manifest.id} takes no sampler"
+    return f"model {manifest.id} takes {', '.join(manifest.samplers)}"
 
 
 def _true_cfg(request: RenderRequest, manifest: Manifest, problems: list[Problem]) -> float | None:

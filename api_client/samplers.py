@@ -85,3 +85,17 @@ def from_a1111(sampler_name: str, scheduler: str | None = None) -> tuple[Sampler
 def to_a1111(sampler: Sampler) -> str:
     """A1111's name for kiln's sampler (its infotexts' "Sampler:")."""
     return next(name for name, ours in A1111_SAMPLERS.items() if ours == sampler)
+
+
+# How A1111 (1.9 and later) labels kiln's sigma schedules in its infotexts' "Schedule type".
+A1111_SCHEDULE_LABELS: dict[Sigmas, str] = {
+    "normal": "Normal",
+    "karras": "Karras",
+    "exponential": "Exponential",
+    "beta": "Beta",
+}
+
+
+def a1111_schedule(sigmas: Sigmas) -> str:
+    """A1111's label for kiln's sigma schedule (its infotexts' "Schedule type: Karras")."""
+    return A1111_SCHEDULE_LABELS[sigmas]

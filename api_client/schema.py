@@ -335,6 +335,9 @@ class RenderResult(BaseModel):
     model: str
     images: list[ImageFile]
     seed: int
+    # The request's sampler and sigmas; None: the manifest's scheduler, at its own sigmas.
+    sampler: Sampler | None = None
+    sigmas: Sigmas | None = None
     steps: int
     guidance: float
     true_cfg: float | None = None

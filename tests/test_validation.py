@@ -31,7 +31,7 @@ REJECTIONS = [
     ("no images", {"num_images": 0}, "num_images", "between 1 and 4"),
     ("wrong type", {"steps": "8"}, "steps", "valid integer"),
     ("bool as int", {"steps": True}, "steps", "valid integer"),
-    ("extra field", {"sampler": "euler"}, "sampler", "Extra inputs"),
+    ("extra field", {"scheduler": "euler"}, "scheduler", "Extra inputs"),
     ("bad format", {"output_format": "gif"}, "output_format", "png"),
 ]
 

@@ -164,6 +164,10 @@ def list_models(client: Client, who: Auth) -> ModelList:
                 blocked=info.blocked,
                 default_eta_s=info.default_eta_s,
                 eta_now_s=info.eta_now_s(),
+                sigmas={
+                    sampler: list(info.manifest.family_row.sigmas_for(sampler))
+                    for sampler in info.manifest.samplers
+                },
             )
             for info in client.models()
             if not info.manifest.benchmark_only

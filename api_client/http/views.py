@@ -87,6 +87,8 @@ class ModelView(BaseModel):
     blocked: dict[str, str]
     default_eta_s: float | None = None
     eta_now_s: float | None = None
+    # The sigma schedules each of its samplers (manifest.samplers) takes on its family.
+    sigmas: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

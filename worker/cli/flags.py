@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from api_client.samplers import SAMPLERS, SIGMAS
+
 
 def request_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag of a request, in groups: what to render, its input images, its pins, its queue."""
@@ -35,6 +37,17 @@ def _render_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--num-images", type=int)
+    parser.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        help="the sampler (ComfyUI's names), one the model takes (kiln models lists them);"
+        " default: the manifest's scheduler",
+    )
+    parser.add_argument(
+        "--sigmas",
+        choices=SIGMAS,
+        help="the sampler's noise schedule (with --sampler); default: the sampler's own",
+    )
     parser.add_argument("--format", dest="output_format", choices=["png", "webp", "jpeg"])
     parser.add_argument(
         "--previews",

@@ -25,6 +25,7 @@ from PIL.PngImagePlugin import PngInfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_client.errors import short
+from api_client.samplers import Sampler, Sigmas, a1111_schedule, to_a1111
 from api_client.schema import (
     MAX_CONTROLS,
     MAX_LORAS,
@@ -90,6 +91,10 @@ class ImageDetails(BaseModel):
     guidance: float
     true_cfg: float | None
     scheduler: str  # the scheduler class the pipeline ran
+    # The request's sampler and sigmas (api_client.samplers); None: the manifest's scheduler at its
+    # own sigmas. A replay pins them.
+    sampler: Sampler | None = None
+    sigmas: Sigmas | None = None
     width: int
     height: int
     num_images: int
@@ -168,6 +173,8 @@ class ImageDetails(BaseModel):
                 )
             ),
             hires=self.hires,
+            sampler=self.sampler,
+            sigmas=self.sigmas,
         )
 
 
@@ -197,7 +204,9 @@ def image_details(
         steps=int(request.steps or 0),
         guidance=float(request.guidance or 0.0),
         true_cfg=request.true_cfg,
-        scheduler=loaded.sampler,
+        scheduler=loaded.sampler if request.sampler is None else _scheduler(loaded, request),
+        sampler=request.sampler,
+        sigmas=request.sigmas,
         width=int(request.width or 0),
         height=int(request.height or 0),
         num_images=request.num_images,
@@ -217,6 +226,14 @@ def image_details(
         reference=ReferenceReport.of(request.reference),
         hires=request.hires,
     )
+
+
+def _scheduler(loaded: Rendered, request: RenderRequest) -> str:
+    """The scheduler class a job's own sampler ran as (worker.pipelines.samplers)."""
+    from worker.pipelines.samplers import class_name
+
+    assert request.sampler is not None
+    return class_name(loaded.manifest.family_row, request.sampler)
 
 
 # pyproject.toml's [project] name: what importlib.metadata knows kiln's version by.
@@ -254,13 +271,16 @@ def parameters_text(details: ImageDetails) -> str:
     """A1111's "parameters" layout: prompt, negative prompt, then one line of `Key: value`."""
     fields: list[tuple[str, object]] = [
         ("Steps", details.steps),
-        ("Sampler", details.scheduler),
+        # A kiln sampler by A1111's name ("Euler a"), else the scheduler class that ran.
+        ("Sampler", details.scheduler if details.sampler is None else to_a1111(details.sampler)),
         ("CFG scale", details.guidance),
         # A1111's seed is the image's own; kiln draws image i of a batch from seed + i.
         ("Seed", details.seed + details.index),
         ("Size", f"{details.width}x{details.height}"),
         ("Model", details.model),
     ]
+    if details.sigmas is not None:  # where A1111 1.9 and later write the schedule
+        fields.insert(2, ("Schedule type", a1111_schedule(details.sigmas)))
     if details.true_cfg is not None:
         fields.append(("True CFG scale", details.true_cfg))
     if details.step_cache is not None:

@@ -127,7 +127,7 @@ def read_pipeline(manifest: Manifest, info: DeviceInfo, settings: Settings) -> L
         report.add("applied", "weights", note)
     pipe.set_progress_bar_config(disable=True)
     # 3. Scheduler, quantization, switches: each reports what it did.
-    _set_scheduler(pipe, manifest)
+    _set_scheduler(loaded, manifest)
     apply_switches(loaded, info, settings)
     _prepare_adapters(loaded, settings)
     upcast_before_placement(loaded)
@@ -221,12 +221,22 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _set_scheduler(pipe: Any, manifest: Manifest) -> None:
+# What of a manifest's scheduler is the model's, not its sampler's: a job's own sampler keeps it
+# (turbo and lightning distillations need trailing timesteps whatever solves them).
+MODEL_SCHEDULE = ("timestep_spacing",)
+
+
+def _set_scheduler(loaded: LoadedPipeline, manifest: Manifest) -> None:
+    """The manifest's scheduler on the pipeline; the config its weights came with (and the
+    model's part of the manifest's) kept for a job's sampler (worker.pipelines.samplers)."""
+    pipe = loaded.pipe
+    loaded.scheduler_config = dict(pipe.scheduler.config)
     if manifest.scheduler is None:
         return
     import diffusers
 
     class_name, overrides = SCHEDULERS[manifest.scheduler]
+    loaded.scheduler_config.update({k: v for k, v in overrides.items() if k in MODEL_SCHEDULE})
     scheduler_cls = getattr(diffusers, class_name)
     pipe.scheduler = scheduler_cls.from_config(pipe.scheduler.config, **overrides)
 

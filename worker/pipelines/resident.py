@@ -84,6 +84,9 @@ class LoadedPipeline:
     # False for a pipeline read on the host and never placed (a prefetched one): its rung is
     # the first job's, and any rung's placement fits it (worker.pipelines.loading.place_read).
     placed: bool = True
+    # The scheduler config its weights came with, before the manifest's scheduler: what a job's
+    # sampler is built from (worker.pipelines.samplers). None: its scheduler's own config.
+    scheduler_config: Any = None
     # How its family renders: looked up once, when the pipeline is read, and read from here on.
     spec: FamilySpec = field(init=False, repr=False)
 

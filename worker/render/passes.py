@@ -21,7 +21,7 @@ from api_client.resolve import hires_size
 from api_client.schema import RenderRequest
 from worker.crashes import crash_point
 from worker.memory.faults import FaultPlan
-from worker.pipelines import control
+from worker.pipelines import control, samplers
 from worker.pipelines.resident import LoadedPipeline
 from worker.pipelines.vae import tiled
 from worker.render.job_run import JobRun
@@ -87,7 +87,7 @@ def run_pass(
         ctx.progress("denoise", 0, p.steps)
         faults.check("denoise", loaded.rung)
         call = {**p.arguments(), "callback_on_step_end": p.on_step}
-        with engaged():
+        with engaged(), sampler_of(job, loaded, p.pipe):
             latents = p.pipe(**_accepted(p.pipe, call)).images
         if p.pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the
@@ -110,6 +110,16 @@ def run_pass(
     job.record.passes = p.number
     images, decoded = decode(loaded, decode_on)
     return latents, images, decoded
+
+
+def sampler_of(job: JobRun, loaded: LoadedPipeline, pipe: Any) -> AbstractContextManager[None]:
+    """The job's sampler on the pipeline a pass calls (the resident one, or its img2img, inpaint
+    or control view), its own scheduler put back when the call ends (worker.pipelines.samplers):
+    a hires pass runs the same sampler as the first."""
+    request = job.request
+    return samplers.swapped(
+        pipe, loaded.manifest.family_row, loaded.scheduler_config, request.sampler, request.sigmas
+    )
 
 
 def first_pass(

@@ -18,6 +18,7 @@ import structlog
 from pydantic import BaseModel, Field
 
 from api_client.errors import MESSAGE_LIMIT, short
+from api_client.samplers import Sampler, Sigmas
 from api_client.schema import (
     Attempt,
     ControlReport,
@@ -31,6 +32,7 @@ from api_client.schema import (
     TimingFit,
     Timings,
 )
+from worker.pipelines import samplers
 
 if TYPE_CHECKING:
     from worker.pipelines.resident import Rendered
@@ -48,6 +50,8 @@ REQUEST_FIELDS = (
     "width",
     "height",
     "strength",
+    "sampler",
+    "sigmas",
 )
 
 
@@ -112,6 +116,10 @@ class TimingRecord(BaseModel):
     mode: str = "txt2img"
     strength: float | None = None  # img2img and inpaint: how much of the input was re-noised
     scheduler: str | None = None  # the scheduler class the pipeline ran with
+    # The request's sampler and sigma schedule (api_client.samplers); None: the manifest's
+    # scheduler at its own sigmas.
+    sampler: Sampler | None = None
+    sigmas: Sigmas | None = None
     per_step_s: float | None = None
     # Denoiser steps run for this job over all its tries: `steps` when it denoised once; more when
     # out of memory ran the denoise again (out of memory in decode does not: the latents are kept).
@@ -183,6 +191,8 @@ class TimingRecord(BaseModel):
         self.compiled, self.settings = loaded.compiled, loaded.settings
         self.quantized = loaded.quantized
         self.scheduler = loaded.sampler
+        if self.sampler is not None:  # the job's own, swapped in for its passes
+            self.scheduler = samplers.class_name(loaded.manifest.family_row, self.sampler)
 
     def result(
         self, images: list[ImageFile], started_at: datetime, request_sha256: str

@@ -198,6 +198,16 @@ function applyManifest() {
   );
   syncSize();
 
+  // The samplers the model takes (its manifest's, its family's where it names none).
+  const samplers = manifest.samplers || [];
+  document.getElementById("sampler-field").hidden = !samplers.length;
+  const own = manifest.scheduler ? `its own (${manifest.scheduler})` : "its own";
+  f.sampler.replaceChildren(
+    el("option", { value: "", text: own }),
+    ...samplers.map((name) => el("option", { value: name, text: name })),
+  );
+  syncSigmas();
+
   const mode = f.mode.value;
   f.mode.replaceChildren(...manifest.modes.map((m) => el("option", { value: m, text: m })));
   f.mode.value = manifest.modes.includes(mode) ? mode : manifest.modes[0];
@@ -237,6 +247,21 @@ function applyManifest() {
     : "(this model names no TAESD)";
   updateModeFields();
   modelHint();
+}
+
+// The sigma schedules the chosen sampler takes on the model (the listing's sigmas); none without
+// a sampler: the sampler's own schedule.
+function syncSigmas() {
+  const f = form.elements;
+  const view = currentModel();
+  const offered = (view && view.sigmas && view.sigmas[f.sampler.value]) || [];
+  const kept = f.sigmas.value;
+  f.sigmas.replaceChildren(
+    el("option", { value: "", text: "the sampler's own" }),
+    ...offered.map((name) => el("option", { value: name, text: name })),
+  );
+  f.sigmas.value = offered.includes(kept) ? kept : "";
+  f.sigmas.disabled = !offered.length;
 }
 
 function loraRow(name, spec) {
@@ -469,6 +494,10 @@ async function buildRequest() {
   if (loras.length) request.loras = loras;
   if (!document.getElementById("step_cache-field").hidden && f.step_cache.value !== "") {
     request.step_cache = f.step_cache.value === "true";
+  }
+  if (!document.getElementById("sampler-field").hidden && f.sampler.value) {
+    request.sampler = f.sampler.value;
+    if (f.sigmas.value) request.sigmas = f.sigmas.value;
   }
   if (!document.getElementById("controls-field").hidden && f.control_name.value) {
     const file = f.control_image.files[0];
@@ -726,6 +755,7 @@ function detailRows(result) {
     ["model", result.model],
     ["seed", result.seed],
     ["steps", result.steps],
+    ["sampler", [result.sampler || "its own", result.sigmas].filter(Boolean).join(" · ")],
     ["guidance", result.guidance],
     ["size", `${result.width}×${result.height}`],
     ["rung", result.rung],
@@ -889,7 +919,8 @@ function fromResult(view) {
   const result = view.result;
   const request = { model: result ? result.model : view.model };
   if (!result) return request;
-  for (const name of ["seed", "steps", "guidance", "width", "height", "true_cfg"]) {
+  const shown = ["seed", "steps", "guidance", "width", "height", "true_cfg", "sampler", "sigmas"];
+  for (const name of shown) {
     if (result[name] !== null && result[name] !== undefined) request[name] = result[name];
   }
   return request;
@@ -942,6 +973,13 @@ function fillForm(request) {
   if (request.priority) f.priority.value = request.priority;
   if (typeof request.step_cache === "boolean") f.step_cache.value = String(request.step_cache);
   if (request.output_format) f.output_format.value = request.output_format;
+  if (request.sampler && [...f.sampler.options].some((o) => o.value === request.sampler)) {
+    f.sampler.value = request.sampler;
+    syncSigmas();
+    if (request.sigmas && [...f.sigmas.options].some((o) => o.value === request.sigmas)) {
+      f.sigmas.value = request.sigmas;
+    }
+  }
   if (request.previews !== undefined && !f.previews.disabled) f.previews.checked = request.previews;
   if (request.width && request.height) {
     const size = document.getElementById("f-size");
@@ -1068,6 +1106,7 @@ function start() {
     applyManifest();
   });
   f.mode.addEventListener("change", updateModeFields);
+  f.sampler.addEventListener("change", syncSigmas);
   document.getElementById("f-size").addEventListener("change", syncSize);
   for (const field of ["image", "mask"]) {
     f[field].addEventListener("change", () => {
