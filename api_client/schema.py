@@ -25,6 +25,11 @@ PHASES: tuple[str, ...] = (
     "save",
     "total",
 )
+# A phase's column header where tables are narrow (`kiln top`, `kiln timings`, `kiln submit`).
+PHASE_HEADERS: dict[str, str] = {
+    p: {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}.get(p, p)
+    for p in PHASES
+}
 # What a request asks of its model: from a prompt alone, from an input image, into a mask's
 # white area of one, or an instruction edit (FLUX.1 Kontext, Qwen-Image-Edit; not served yet).
 # upscale: an upscaler manifest's one mode, an image made its scale times larger.

@@ -23,6 +23,7 @@ EXIT_FAILED = 1  # the job failed, stopped or was canceled; or a job verb found 
 EXIT_REFUSED = 2  # the request broke its manifest: nothing was enqueued
 EXIT_TIMEOUT = 3  # --timeout passed; the job goes on
 EXIT_NOT_SERVED = 4  # no live worker serves the model; the job stays queued
+UNDONE = ("failed", "stopped", "canceled", "quarantined")  # the ends that are not done
 NOT_SERVED_GRACE_S = 3.0  # how long --wait looks for a serving worker before it says so
 
 
@@ -180,11 +181,23 @@ def _follow(job: KilnJob, model: str, args: argparse.Namespace) -> int:
 
         queue = queue_name(model, getattr(args, "priority", None) or "interactive")
         print(json.dumps({"job_id": job.id}) if args.json else f"queued {job.id} on {queue}")
+        unserved = not_served(_client(), model, grace_s=0)  # one look: no wait without --wait
+        if unserved:
+            print(
+                f"kiln {args.verb}: warning: job {job.id} waits in its queue: {unserved}."
+                f" Start one (`kiln worker --models {model}`) or drop it (`kiln cancel {job.id}`)",
+                file=sys.stderr,
+            )
         return 0
     if not args.queue_anyway:
         unserved = not_served(_client(), model)
         if unserved:
-            print(f"kiln {args.verb}: job {job.id} stays queued: {unserved}", file=sys.stderr)
+            print(
+                f"kiln {args.verb}: job {job.id} stays queued: {unserved}. Start one (`kiln"
+                f" worker --models {model}`), drop the job (`kiln cancel {job.id}`), or wait for"
+                " one with --queue-anyway",
+                file=sys.stderr,
+            )
             return EXIT_NOT_SERVED
     try:
         result = plain.wait_with_progress(job, timeout=args.timeout, quiet=args.json)
@@ -224,14 +237,12 @@ def not_served(client: KilnClient, model: str, grace_s: float = NOT_SERVED_GRACE
             break
         time.sleep(0.5)
     others = "; ".join(f"{s.name} serves {', '.join(s.models)}" for s in workers) or "none is live"
-    return (
-        f"no live worker serves {model} ({others}). Start one (`kiln worker --models {model}`),"
-        " drop the job (`kiln cancel ID`), or wait for one with --queue-anyway"
-    )
+    return f"no live worker serves {model} ({others})"
 
 
 def job(args: argparse.Namespace) -> int:
-    """`kiln job ID`: status, position, ETA, progress, the result or the error."""
+    """`kiln job ID`: status, position, ETA, progress, the result or the error; exit 1 for a job
+    that failed, stopped, was canceled or quarantined."""
     from api_client import UnknownJob
     from worker.cli import plain
 
@@ -242,9 +253,10 @@ def job(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if args.json:
         print(snapshot.model_dump_json())
-        return 0
-    plain.print_snapshot(snapshot)
-    return 0
+    else:
+        plain.print_snapshot(snapshot)
+    # As the README's exit codes: a job that ended other than done is 1, shown or not.
+    return EXIT_FAILED if snapshot.status in UNDONE else 0
 
 
 def cancel(args: argparse.Namespace) -> int:

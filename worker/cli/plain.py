@@ -4,6 +4,7 @@ these write with print() alone: aligned columns, and on a terminal one progress 
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -12,9 +13,9 @@ from typing import Any
 from api_client import KilnJob, ModelInfo, RenderResult
 from api_client.errors import JobTimeout
 from api_client.events import BLOCK_SLICE_S
-from api_client.schema import PHASES, JobSnapshot
+from api_client.schema import PHASE_HEADERS, PHASES, JobSnapshot
 
-SHORT = {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}
+MIN_CELL = 8  # a column cut to fit the terminal keeps at least this many characters
 
 
 def wait_with_progress(job: KilnJob, timeout: float, quiet: bool = False) -> RenderResult:
@@ -80,7 +81,7 @@ def print_result(result: RenderResult) -> None:
     )
     print("timings (s)")
     timings = [f"{getattr(result.timings, p):.3f}" for p in PHASES]
-    print_table([SHORT.get(p, p) for p in PHASES], [timings], indent="  ")
+    print_table([PHASE_HEADERS[p] for p in PHASES], [timings], indent="  ")
 
 
 def print_snapshot(snapshot: JobSnapshot) -> None:
@@ -119,9 +120,23 @@ MODEL_COLUMNS = (
 )
 
 
+# The models table's columns a narrow terminal loses first (the rest: model, served, modes, ETA).
+MODEL_OPTIONAL = (
+    "resident",
+    "ETA submitted now (interactive, batch)",
+    "LoRAs",
+    "family",
+    "sizes",
+    "workers",
+    "queued (interactive, batch)",
+    "default",
+)
+
+
 def print_models(infos: list[ModelInfo]) -> None:
+    """`kiln models`: the served models first, the table cut to the terminal's width."""
     rows = []
-    for info in infos:
+    for info in sorted(infos, key=lambda i: (not i.workers, i.manifest.id)):
         m = info.manifest
         eta = info.default_eta_s
         now = [info.eta_now_s(lane) for lane in ("interactive", "batch")]
@@ -142,17 +157,63 @@ def print_models(infos: list[ModelInfo]) -> None:
                 ", ".join(f"{s:.2f} s" for s in now if s is not None) or "not measured",
             ]
         )
-    print_table(MODEL_COLUMNS, rows)
+    width = terminal_width()
+    hidden = print_table(MODEL_COLUMNS, rows, width=width, optional=MODEL_OPTIONAL)
+    if hidden:
+        named = f"left out to fit: {', '.join(hidden)} (all in kiln models --json)"
+        short = f"left out to fit: {len(hidden)} columns (all in kiln models --json)"
+        print(named if len(named) <= (width or 0) else short)
     blocked = {name: why for info in infos for name, why in info.blocked.items()}
     for name, why in sorted(blocked.items()):
         print(f"worker {name} takes no jobs: {why}")
 
 
-def print_table(headers: Sequence[str], rows: list[list[str]], indent: str = "") -> None:
-    """Columns left-aligned to their widest cell, two spaces apart."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
-    for row in [list(headers), *rows]:
-        print(indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+def terminal_width() -> int | None:
+    """COLUMNS, or the terminal's width; None for a pipe with COLUMNS unset (whole rows)."""
+    return shutil.get_terminal_size((0, 0)).columns or None
+
+
+def print_table(
+    headers: Sequence[str],
+    rows: list[list[str]],
+    indent: str = "",
+    *,
+    width: int | None = None,
+    optional: Sequence[str] = (),
+) -> list[str]:
+    """Columns left-aligned to their widest cell, two spaces apart, in at most width characters:
+    the optional columns go first (in that order) until the rest fit, then the widest column's
+    cells are cut, ending "...". The headers of the columns left out."""
+    table = [list(headers), *[[str(cell) for cell in row] for row in rows]]
+    hidden: list[str] = []
+
+    def widths() -> list[int]:
+        return [max(len(cell) for cell in column) for column in zip(*table, strict=True)]
+
+    def over() -> int:
+        return len(indent) + sum(widths()) + 2 * (len(table[0]) - 1) - (width or 10**9)
+
+    for name in optional:
+        if over() <= 0 or len(table[0]) == 1:
+            break
+        at = table[0].index(name)
+        hidden.append(name)
+        table = [row[:at] + row[at + 1 :] for row in table]
+    while over() > 0:
+        sizes = widths()
+        at = sizes.index(max(sizes))
+        cut = max(sizes[at] - over(), MIN_CELL)
+        if cut >= sizes[at]:
+            break  # nothing left to cut: the terminal is narrower than the shortest table
+        table = [[*row[:at], _cut(row[at], cut), *row[at + 1 :]] for row in table]
+    sizes = widths()
+    for row in table:
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(row, sizes, strict=True)).rstrip())
+    return hidden
+
+
+def _cut(cell: str, most: int) -> str:
+    return cell if len(cell) <= most else cell[: most - 3].rstrip() + "..."
 
 
 def model_json(info: ModelInfo) -> dict[str, Any]:

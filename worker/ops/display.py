@@ -8,13 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from api_client.schema import PHASES
-
-SHORT = {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}
+from api_client.schema import PHASE_HEADERS, PHASES
 
 
 def phase_header(phase: str) -> str:
-    return SHORT.get(phase, phase)
+    return PHASE_HEADERS[phase]
 
 
 def wide_console(stderr: bool = False) -> Console:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 Parsed = TypeVar("Parsed", bound=BaseModel)
 LAST_SCAN = 50  # newest entries read from each model's queue stream, for the last jobs
+ERROR_CHARS = 60  # a failed or stopped job's message in the last jobs' error column
 ONCE_WIDTH = 10_000  # --once: one line per row, whatever the terminal (scripts grep it)
 # SIMPLE_HEAD's layout with an ASCII rule under the header, so --once prints plain ASCII tables.
 PLAIN = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
@@ -202,21 +203,27 @@ def _queues(frame: Frame, style: box.Box) -> Table:
 
 def _last_jobs(frame: Frame, style: box.Box) -> Table:
     phases = [phase_header(p) for p in PHASES]
-    table = _table("last jobs", style, "ended", "job", "model", "status", "worker", "rung", *phases)
+    columns = ("ended", "job", "model", "status", "worker", "rung", *phases, "error")
+    table = _table("last jobs", style, *columns)
     for event in frame.ended:
         ended = datetime.fromtimestamp(event.at, timezone.utc).strftime("%H:%M:%S")
         result = event.result
-        if result is None:  # failed or stopped: the worker's message instead of phases
-            reason = (event.error or "").splitlines()[0][:120] if event.error else ""
-            row = [ended, event.job_id, event.model or "", event.kind, "", "", reason]
-            table.add_row(*row, *[""] * (len(PHASES) - 1))
+        if result is None:  # failed or stopped: no phases; the worker's message, cut to fit
+            row = [ended, event.job_id, event.model or "", event.kind, "", ""]
+            table.add_row(*row, *[""] * len(PHASES), _first_line(event.error or ""))
             continue
         seconds = [f"{getattr(result.timings, p):.2f}" for p in PHASES]
         row = [ended, event.job_id, result.model, event.kind, result.worker or "", result.rung]
-        table.add_row(*row, *seconds)
+        table.add_row(*row, *seconds, "")
     if not frame.ended:
-        table.add_row("(none yet)", *[""] * (5 + len(PHASES)))
+        table.add_row("(none yet)", *[""] * (len(columns) - 1))
     return table
+
+
+def _first_line(error: str) -> str:
+    """An error's first line, at most ERROR_CHARS: `kiln job ID` shows the whole of it."""
+    line = error.strip().splitlines()[0] if error.strip() else ""
+    return line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 3].rstrip() + "..."
 
 
 def _gigabytes(count: int | None) -> str:
