@@ -46,24 +46,32 @@ def _manifest(**fields: Any) -> Manifest:
     return shipped.model_copy(update=fields)
 
 
-@pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".pth", ".bin"])
+def _render(loaded: Any, seed: int = 4) -> Any:
+    generator = torch.Generator().manual_seed(seed)
+    out = loaded.pipe(
+        "a fox", num_inference_steps=1, height=128, width=128, generator=generator, output_type="np"
+    )
+    return out.images[0]
+
+
 def test_check_refuses_a_pickle_checkpoint_lora_or_component(
-    tmp_path: Path, kiln_env: dict[str, str], suffix: str
+    tmp_path: Path, kiln_env: dict[str, str]
 ) -> None:
-    (tmp_path / "a.yaml").write_text(TINY_SD15.format(id="a", source=f"dreamshaper{suffix}"))
+    (tmp_path / "a.yaml").write_text(TINY_SD15.format(id="a", source="dreamshaper.ckpt"))
     lora = TINY_SD15.format(id="b", source="tiny-sd15")
-    lora += f"loras: {{x: {{source: loras/x{suffix}, max_rank: 4}}}}\n"
+    lora += "loras: {x: {source: loras/x.pt, max_rank: 4}}\n"
     (tmp_path / "b.yaml").write_text(lora)
     part = TINY_SD15.format(id="c", source="tiny-sd15")
-    part += f"components: {{unet: {{file: unet{suffix}, gb: 1.0}}}}\n"
+    part += "components: {unet: {file: unet.pth, gb: 1.0}}\n"
     (tmp_path / "c.yaml").write_text(part)
+    (tmp_path / "d.yaml").write_text(TINY_SD15.format(id="d", source="model.bin"))
     done = kiln("manifests", "check", str(tmp_path), env=kiln_env)
     assert done.returncode == 1, done.stdout
-    for name in ("a.yaml", "b.yaml", "c.yaml"):
-        line = next(line for line in done.stderr.splitlines() if name in line)
-        assert "is a pickle" in line and "arbitrary code on load" in line, line
+    for name, suffix in (("a", ".ckpt"), ("b", ".pt"), ("c", ".pth"), ("d", ".bin")):
+        line = next(line for line in done.stderr.splitlines() if f"{name}.yaml" in line)
+        assert f"is a pickle ({suffix})" in line and "arbitrary code on load" in line, line
         assert "convert it to safetensors" in line, line
-    assert "0 valid, 3 invalid" in done.stdout
+    assert "0 valid, 4 invalid" in done.stdout
 
 
 def test_the_load_refuses_a_pickle_whatever_the_manifest_said(
@@ -98,25 +106,26 @@ def test_a_diffusers_layout_with_only_pickled_weights_is_never_unpickled(
         read_pipeline(_manifest(), probe(settings), settings)
 
 
-def test_a_kohya_lora_file_renders_as_the_peft_lora_it_came_from(
-    redis_conn: Redis, settings: Any
-) -> None:
+def test_a_kohya_lora_file_renders_as_the_peft_lora_it_came_from(settings: Any) -> None:
     """tiny-sd15's `kohya` is `detail` in kohya / A1111 key names (tiny/files.py): diffusers'
     converter reads it back to the same layers, so the same weight renders the same pixels."""
+    from api_client.schema import LoraChoice
+
     kohya = load_file(settings.models_dir / "tiny-sd15/loras" / KOHYA_LORA)
     assert kohya and all(k.startswith("lora_unet_") for k in kohya)
-    assert {k.rsplit(".", 2)[-2] if k.endswith(".weight") else "alpha" for k in kohya} == {
-        "lora_down",
-        "lora_up",
-        "alpha",
-    }
-    client = client_for(redis_conn, settings)
-    base = {"model": "tiny-sd15", "prompt": "a fox", "steps": 2, "seed": 5}
-    asks = [None, [{"name": "kohya", "weight": 1.0}], [{"name": "detail", "weight": 1.0}]]
-    asks.append([{"name": "kohya", "weight": 0.0}])
-    jobs = [client.submit({**base, **({"loras": ask} if ask else {})}) for ask in asks]
-    burst(redis_conn, make_renderer(settings, ["tiny-sd15"]), ["tiny-sd15"])
-    shown = [pixels(job.wait(timeout=5).images[0].path) for job in jobs]
+    kinds = {k.rsplit(".", 2)[-2] if k.endswith(".weight") else "alpha" for k in kohya}
+    assert kinds == {"lora_down", "lora_up", "alpha"}
+    shipped = _manifest()
+    manifest = shipped.model_copy(
+        update={"loras": {n: shipped.loras[n] for n in ("detail", "kohya")}, "taesd": None}
+    )
+    loaded = read_pipeline(manifest, probe(settings), settings)
+    slots = loaded.adapters
+    assert slots is not None and slots.adapters["kohya"].rank == 4
+    shown = []
+    for ask in ([], [("kohya", 1.0)], [("detail", 1.0)], [("kohya", 0.0)]):
+        slots.apply([LoraChoice(name=n, weight=w) for n, w in ask])
+        shown.append(_render(loaded))
     assert not np.array_equal(shown[0], shown[1]), "the kohya LoRA changes the image"
     assert np.array_equal(shown[1], shown[2]), "the kohya file renders its PEFT twin's pixels"
     assert np.array_equal(shown[0], shown[3]), "at weight 0 it changes nothing"
@@ -221,15 +230,7 @@ def test_manifests_new_reads_a_gguf_transformer(tmp_path: Path) -> None:
     assert "(Q8_0)" in (tmp_path / "flux1-dev-q8_0.yaml").read_text()
 
 
-def _render(loaded: Any, seed: int = 4) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    out = loaded.pipe(
-        "a fox", num_inference_steps=2, height=128, width=128, generator=generator, output_type="np"
-    )
-    return out.images[0]
-
-
-@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+@pytest.mark.parametrize("family", ["sd15", pytest.param("sdxl", marks=pytest.mark.slow)])
 def test_a_single_file_checkpoint_renders_the_pixels_of_its_diffusers_twin(
     settings: Any, family: str
 ) -> None:
@@ -301,3 +302,33 @@ def test_pull_takes_a_single_file_and_its_config_and_never_fetches_offline(
     assert fetched == [], "offline: nothing fetched"
     tiny = load_manifests(MANIFESTS, ["tiny-sd15-file", "tiny-sdxl-file"])
     assert [fetches(m, settings.models_dir) for m in tiny.values()] == [[], []], "on this disk"
+
+
+def _psnr(a: Any, b: Any) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def test_a_gguf_transformer_renders_close_to_full_precision_and_says_so(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    """tiny-flux-gguf is tiny-flux with its transformer from a Q8_0 GGUF of the same weights:
+    not the same pixels as tiny-flux at full precision (KILN_QUANTIZE=off governs torchao; a
+    GGUF file is what it holds), within 25 dB PSNR of them on the same seed; the record and the
+    result name it."""
+    from worker.render.timings import read_records
+
+    settings = make_settings(quantize="off")
+    header = read_header(settings.models_dir / "tiny-flux/tiny-flux-transformer-Q8_0.gguf")
+    assert header.quant == "Q8_0" and tell_family(header) == ("flux", False)
+    client = client_for(redis_conn, settings)
+    models = ["tiny-flux", "tiny-flux-gguf"]
+    jobs = [client.submit({"model": m, "prompt": "a fox", "steps": 2, "seed": 6}) for m in models]
+    burst(redis_conn, make_renderer(settings, models), models)
+    results = [job.wait(timeout=5) for job in jobs]
+    full, gguf = (pixels(r.images[0].path) for r in results)
+    assert not np.array_equal(full, gguf), "the GGUF transformer is what its file holds"
+    assert _psnr(full, gguf) >= 25, _psnr(full, gguf)
+    assert results[0].quantized == {} and results[1].quantized == {"transformer": "gguf-Q8_0"}
+    by_model = {r.model: r for r in read_records(settings.timings_log)}
+    assert by_model["tiny-flux-gguf"].quantized == {"transformer": "gguf-Q8_0"}

@@ -11,7 +11,8 @@ What a file is, by its tensor names:
 - SGM (sdxl): conditioner.embedders.1... (the second text encoder);
 - SD3: model.diffusion_model.joint_blocks...;
 - BFL (flux): double_blocks... with or without model.diffusion_model.; alone it is the
-  transformer, a component file (GGUF or safetensors) over the family's diffusers repo."""
+  transformer, a component file (GGUF or safetensors) over the family's diffusers repo; so is
+  a transformer in diffusers' names (single_transformer_blocks..., x_embedder)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ def tell_family(header: FileHeader) -> tuple[str, bool]:
         return "sd3", True
     if has("double_blocks.") or has("model.diffusion_model.double_blocks."):
         return "flux", has("first_stage_model.")
+    if has("single_transformer_blocks.") and "x_embedder.weight" in names:
+        return "flux", False  # a FluxTransformer2DModel in diffusers' own names
     if has("model.diffusion_model.input_blocks."):
         clip_l = has("cond_stage_model.transformer.")
         open_clip = has("cond_stage_model.model.")

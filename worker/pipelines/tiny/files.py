@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 KOHYA_LORA: Final = "tiny-sd15-lora-kohya.safetensors"
 KOHYA_FROM: Final = "detail"  # the tiny PEFT LoRA the kohya file is converted from
+GGUF_TRANSFORMER: Final = "tiny-flux-transformer-Q8_0.gguf"
 
 
 def save_model_files(directory: Path, lora_weight_name: str) -> None:
@@ -33,6 +34,8 @@ def save_model_files(directory: Path, lora_weight_name: str) -> None:
     if pipeline == "StableDiffusionPipeline":
         peft_file = directory / "loras" / KOHYA_FROM / lora_weight_name
         kohya_lora(peft_file, directory / "loras" / KOHYA_LORA)
+    if pipeline == "FluxPipeline":
+        gguf_transformer(directory / "transformer", directory / GGUF_TRANSFORMER)
     if pipeline in SINGLE_FILES:
         name, layout = SINGLE_FILES[pipeline]
         save_file(layout(directory), directory / name)
@@ -241,3 +244,25 @@ SINGLE_FILES: Final = {
     "StableDiffusionPipeline": ("tiny-sd15.safetensors", ldm_file),
     "StableDiffusionXLPipeline": ("tiny-sdxl.safetensors", sgm_file),
 }
+
+
+def gguf_transformer(folder: Path, out: Path) -> None:
+    """A FluxTransformer2DModel as city96's GGUF files hold one: its 2-D weights in Q8_0 (blocks
+    of 32 along a row), biases and norms in F32. The keys are diffusers' own, not BFL's:
+    diffusers' BFL converter splits the single blocks' fused linear1 at FLUX.1's width (3072,
+    hard-coded), so a tiny BFL-layout transformer could not be read back; a file in diffusers'
+    names is loaded as it is (single_file_model._should_convert_state_dict_to_diffusers)."""
+    import gguf
+
+    quant = gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(str(out), "flux")
+    for name, tensor in sorted(load_file(next(folder.glob("*.safetensors"))).items()):
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quantize(array, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
