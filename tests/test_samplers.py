@@ -9,6 +9,7 @@ and `kiln submit --sampler/--sigmas`; A1111's "Euler a" makes the same request a
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -351,3 +352,60 @@ def test_every_offered_sampler_runs_on_its_family(settings: Settings, model: str
                         continue
                     latents = pipe(**call).images
                 assert torch.isfinite(latents).all(), (model, sampler, sigmas, mode)
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+# The select's options as the page built them from /v1/models.
+OPTIONS = "return [...document.querySelectorAll(`#f-${arguments[0]} option`)].map((o) => o.value)"
+
+
+def test_the_page_offers_the_models_samplers(gateway: Any, tmp_path: Path) -> None:
+    """The gateway's model listing carries each model's samplers (its manifest's) and the sigmas
+    each takes; the page's Sampler select lists them, its Sigmas select follows the sampler, and
+    the request it sends carries both."""
+    from tests.fixtures.gateway import call
+
+    listing = json.loads(call("GET", f"{gateway.url}/v1/models", gateway.token)[2])
+    [view] = [m for m in listing["models"] if m["manifest"]["id"] == SD]
+    assert view["manifest"]["samplers"] == list(SAMPLERS)
+    assert view["sigmas"]["dpmpp_2m"] == ["normal", "karras", "exponential", "beta"]
+    assert view["sigmas"]["euler_ancestral"] == ["normal"]
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("the page's half needs Debian's chromium and chromium-driver")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the dev extra)")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium'}")
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    try:
+        until = WebDriverWait(driver, 60, poll_frequency=0.05).until
+        driver.get(f"{gateway.url}/?token={gateway.token}")
+        model = until(lambda d: d.find_element(By.NAME, "model"), "the form")
+        until(lambda d: model.find_elements(By.CSS_SELECTOR, f"option[value='{SD}']"), SD)
+        Select(model).select_by_value(SD)
+        until(lambda d: d.execute_script(OPTIONS, "sampler")[1:] == list(SAMPLERS), "samplers")
+        sampler = Select(driver.find_element(By.ID, "f-sampler"))
+        sampler.select_by_value("euler_ancestral")
+        assert driver.execute_script(OPTIONS, "sigmas") == ["", "normal"]  # no karras and kin
+        sampler.select_by_value("dpmpp_2m")
+        assert driver.execute_script(OPTIONS, "sigmas") == ["", *view["sigmas"]["dpmpp_2m"]]
+        Select(driver.find_element(By.ID, "f-sigmas")).select_by_value("karras")
+        prompt = driver.find_element(By.CSS_SELECTOR, "#submit [name='prompt']")
+        prompt.send_keys("a fox")
+        driver.find_element(By.CSS_SELECTOR, "#submit button[type='submit']").click()
+        cards = until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, "[data-job-id][data-status]"), "job"
+        )
+        job_id = cards[0].get_attribute("data-job-id")
+        job = json.loads(call("GET", f"{gateway.url}/v1/jobs/{job_id}", gateway.token)[2])
+        assert (job["request"]["sampler"], job["request"]["sigmas"]) == ("dpmpp_2m", "karras")
+    finally:
+        driver.quit()

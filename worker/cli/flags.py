@@ -40,8 +40,8 @@ def _render_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler",
         choices=SAMPLERS,
-        help="the sampler (ComfyUI's names), one the model takes (kiln models lists them);"
-        " default: the manifest's scheduler",
+        help="the sampler (ComfyUI's names), one the model takes (its manifest's samplers; any"
+        " other is refused naming them); default: the manifest's scheduler",
     )
     parser.add_argument(
         "--sigmas",
