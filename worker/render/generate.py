@@ -186,11 +186,16 @@ class StepReporter:
             preview = None
             if step + 1 in previews:
                 preview = _preview(loaded, tensors["latents"], self.job, self.store)
-            done = min(step + 1, total)  # PNDM calls back 51 times for 50 steps
-            ctx.progress("denoise", done, total, preview)
+            shown = total
+            if self.job.request.sampler is not None:
+                # A second-order sampler (heun, dpmpp_sde) calls back at each of its model
+                # evaluations: the pipeline's timesteps, not the request's steps.
+                shown = max(int(getattr(_pipe, "_num_timesteps", 0) or 0), total)
+            done = min(step + 1, shown)  # PNDM calls back 51 times for 50 steps
+            ctx.progress("denoise", done, shown, preview)
             crash_point("denoise")
             if ctx.stop_requested():
-                raise JobStopped(f"job {ctx.job_id} stopped at step {done}/{total} on request")
+                raise JobStopped(f"job {ctx.job_id} stopped at step {done}/{shown} on request")
             return tensors
 
         return on_step
