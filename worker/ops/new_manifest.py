@@ -23,19 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from api_client.families import FAMILIES, family_row
 from api_client.manifest import Manifest, ManifestInvalid, load_manifest_dir, load_manifest_file
 from api_client.model_files import refuse_pickle
 
-# family -> the shipped manifest whose defaults a real file of it takes (the tiny twin for a
-# tiny file); sd15 ships no real manifest: its tiny one, at SD1.5's own sizes.
-TEMPLATES = {
-    "sd15": "tiny-sd15",
-    "sd2": "sd-turbo",
-    "sdxl": "sdxl-base",
-    "sd3": "sd35-medium",
-    "flux": "flux1-dev",
-}
-SD15_SIZES = [[512, 512], [768, 512], [512, 768]]
+# A real file over a tiny template (sd15 ships no real manifest): the tiny pipelines render at a
+# quarter of their family's native size.
+TINY_SCALE = 4
 TINY_PARAMS = 20_000_000  # a denoiser below this is a tiny test model's
 # Tensor-name prefix -> component, per layout (the first that matches).
 COMPONENTS = {
@@ -147,10 +141,9 @@ def _cross_attention_width(names: dict[str, tuple[tuple[int, ...], int]]) -> int
     return None
 
 
-def component_sizes(header: FileHeader, family: str, whole: bool) -> dict[str, float]:
+def component_sizes(header: FileHeader, denoiser: str, whole: bool) -> dict[str, float]:
     """GB each component of the file holds as stored (a component file: all of it the
     denoiser's)."""
-    denoiser = "unet" if family in ("sd15", "sd2", "sdxl") else "transformer"
     sizes: dict[str, float] = {}
     for name, (_, size) in header.tensors.items():
         part = next((c for p, c in COMPONENTS.items() if name.startswith(p)), None)
@@ -177,16 +170,15 @@ def new_manifest(
     except NewManifestError:
         if family is None:
             raise
-        told, whole = family, family != "flux" or "first_stage_model." in str(header.tensors)
+        told, whole = family, any(n.startswith("first_stage_model.") for n in header.tensors)
     family = family or told
-    if family not in TEMPLATES:
-        raise NewManifestError(f"--family {family!r}: must be one of {', '.join(TEMPLATES)}")
     # 2. The family's defaults, and the sizes this file implies.
-    sizes = component_sizes(header, family, whole)
-    denoiser = "unet" if "unet" in sizes else "transformer"
     tiny = sum(_params(s) for s in header.tensors.values()) < TINY_PARAMS
-    guided = any("guidance_in." in name for name in header.tensors)
-    template = _template(manifest_dirs, family, tiny, guided)
+    template = _template(manifest_dirs, family, tiny, _guided(header))
+    from worker.pipelines.families import spec_for
+
+    denoiser = spec_for(template).denoiser
+    sizes = component_sizes(header, denoiser, whole)
     data = _fields(template, header, sizes, denoiser, whole, tiny)
     model_id = model_id or re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower()).strip("-._")
     data["id"] = model_id
@@ -214,15 +206,32 @@ def _params(entry: tuple[tuple[int, ...], int]) -> int:
     return count
 
 
-def _template(manifest_dirs: Any, family: str, tiny: bool, guided: bool) -> Manifest:
+def _guided(header: FileHeader) -> bool | None:
+    """Whether a FLUX.1-style transformer embeds guidance (dev) or not (schnell); None for a
+    file whose denoiser has no such switch."""
+    names = header.tensors
+    if not any(n.startswith(("time_in.", "time_text_embed.")) for n in names):
+        return None
+    return any("guidance_in." in n or "guidance_embedder." in n for n in names)
+
+
+def _template(manifest_dirs: Any, family: str, tiny: bool, guided: bool | None) -> Manifest:
+    """The shipped manifest of the family whose defaults the file takes: its tiny one for a tiny
+    file; else the first real one by id that is no edit model (and embeds guidance as the file
+    does), else the tiny one."""
+    if family not in FAMILIES:
+        raise NewManifestError(f"--family {family!r}: must be one of {', '.join(FAMILIES)}")
     manifests, _ = load_manifest_dir(manifest_dirs)
-    wanted = f"tiny-{family}" if tiny else TEMPLATES[family]
-    if family == "flux" and not tiny and not guided:
-        wanted = "flux1-schnell"  # no guidance_in: timestep-distilled, as schnell is
-    found = manifests.get(wanted) or manifests.get(TEMPLATES[family])
-    if found is None:
-        raise NewManifestError(f"no shipped {family} manifest to take defaults from")
-    return found
+    row = family_row(family)
+    mine = [m for _, m in sorted(manifests.items()) if m.family_row is row]
+    tinies = [m for m in mine if m.id.startswith("tiny-") and "edit" not in m.modes]
+    real = [m for m in mine if m not in tinies and "edit" not in m.modes and not m.benchmark_only]
+    if guided is not None:
+        real = [m for m in real if (m.guidance.default > 0) is guided]
+    found = (tinies if tiny else real + tinies) or real + tinies
+    if not found or row.weights_files:
+        raise NewManifestError(f"--family {family}: no shipped manifest to take defaults from")
+    return found[0]
 
 
 def _fields(
@@ -237,8 +246,8 @@ def _fields(
     keep = {"family", "dtype", "scheduler", "steps", "guidance", "true_cfg", "resolutions"}
     keep |= {"max_sequence_length", "modes", "compile", "compile_method", "optimizations"}
     data = template.model_dump(mode="json", include=keep, exclude_none=True)
-    if template.family == "sd15" and not tiny:
-        data["resolutions"], data["steps"] = SD15_SIZES, {"default": 25, "max": 50}
+    if template.id.startswith("tiny-") and not tiny:
+        data["resolutions"] = [[w * TINY_SCALE, h * TINY_SCALE] for w, h in template.resolutions]
     parts = dict(template.component_gb)
     for part, gb in sizes.items():
         parts[part] = max(round(gb, 4), 0.0001)

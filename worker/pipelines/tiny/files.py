@@ -3,8 +3,8 @@ so a test can hold each loader to the pixels of the diffusers-layout pipeline it
 
 - <tiny-sd15>/loras/tiny-sd15-lora-kohya.safetensors: the `detail` LoRA in kohya / A1111 key
   names (lora_unet_<module path, dots as underscores>.lora_down/.lora_up/.alpha);
-- <tiny-sd15>/tiny-sd15.safetensors: the whole pipeline in one LDM-layout file;
-- <tiny-sdxl>/tiny-sdxl.safetensors: the whole pipeline in one SGM-layout file;
+- tiny-sd15.safetensors beside <tiny-sd15>: the whole pipeline in one LDM-layout file;
+- tiny-sdxl.safetensors beside <tiny-sdxl>: the whole pipeline in one SGM-layout file;
 - <tiny-flux>/tiny-flux-transformer-Q8_0.gguf: the transformer in BFL's key layout, Q8_0.
 
 diffusers ships the original-to-diffusers direction only; the layouts' tables here are the
@@ -14,6 +14,7 @@ convert_diffusers_to_original_sdxl.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,8 +38,15 @@ def save_model_files(directory: Path, lora_weight_name: str) -> None:
     if pipeline == "FluxPipeline":
         gguf_transformer(directory / "transformer", directory / GGUF_TRANSFORMER)
     if pipeline in SINGLE_FILES:
+        # Beside the pipeline's directory, not in it (a tiny pipeline stays under 10 MB): written
+        # under a dot name and renamed, so a reader never sees half a file.
         name, layout = SINGLE_FILES[pipeline]
-        save_file(layout(directory), directory / name)
+        part = directory.parent / f".{name}.{os.getpid()}.part"
+        try:
+            save_file(layout(directory), part)
+            os.replace(part, directory.parent / name)
+        finally:
+            part.unlink(missing_ok=True)
 
 
 def kohya_lora(peft_file: Path, out: Path) -> None:
