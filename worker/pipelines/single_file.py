@@ -7,6 +7,7 @@ checkpoint, component or LoRA is refused here as at `kiln manifests check`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,17 @@ import torch
 from api_client.manifest import Manifest
 from api_client.model_files import ComponentFile, is_single_file, refuse_pickle
 from worker.manifest import weights_source
+
+
+class _NoEmptyFp32List(logging.Filter):
+    """from_single_file casts each model with .to(dtype), and diffusers then warns that the
+    modules to keep in float32 are [] (none) on every load: noise in a worker's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFp32List())
 
 
 def refuse_pickles(manifest: Manifest) -> None:
