@@ -31,7 +31,7 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 \
 	--file-durations=run/test-durations.md
 SERIAL := $(PY) -m pytest -q -m serial
 
-.PHONY: install run test test-all test-slow bench lint gpu-check clean
+.PHONY: install run test test-all test-slow test-docker bench lint gpu-check clean
 
 install: $(STAMP)
 
@@ -60,6 +60,11 @@ test-all: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PYTEST) -m slow
+
+# Not in CI: builds the gateway and worker images (the CUDA torch is GBs) and renders a tiny
+# txt2img and upscale in the worker image on CPU (docker/test-docker.sh says how).
+test-docker:
+	bash docker/test-docker.sh
 
 bench: $(STAMP)
 	$(KILN) bench
