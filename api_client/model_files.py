@@ -5,6 +5,8 @@ worker.pipelines.single_file."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # What a Python pickle is saved as: torch.load runs whatever code such a file carries.
@@ -87,3 +89,17 @@ def source_refusal(source: str, config: str | None, one_file_family: bool) -> st
     if config is not None and not is_single_file(source):
         return f"config {config!r} is for a source that is one .safetensors file"
     return None
+
+
+def gguf_quantize_refusal(
+    components: dict[str, ComponentFile], quantize: Mapping[str, object]
+) -> str | None:
+    """Why quantize may not name a component read from a GGUF file (already quantized: torchao
+    would not run on it), or None."""
+    both = sorted(name for name, spec in components.items() if spec.gguf and name in quantize)
+    if not both:
+        return None
+    return (
+        f"quantize names {', '.join(both)}, read from a GGUF file (components.{both[0]}.file):"
+        " a GGUF component is what its file holds; drop it from quantize"
+    )

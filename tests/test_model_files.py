@@ -16,7 +16,7 @@ from redis import Redis
 from safetensors.torch import load_file, save_file
 
 from api_client.loras import LoraSpec
-from api_client.manifest import Manifest
+from api_client.manifest import Manifest, ManifestInvalid, load_manifest_file
 from api_client.model_files import PickleRefused
 from tests.conftest import MANIFESTS, kiln
 from tests.support.images import pixels
@@ -72,6 +72,11 @@ def test_check_refuses_a_pickle_checkpoint_lora_or_component(
         assert f"is a pickle ({suffix})" in line and "arbitrary code on load" in line, line
         assert "convert it to safetensors" in line, line
     assert "0 valid, 4 invalid" in done.stdout
+    both = TINY_SD15.format(id="e", source="tiny-sd15").replace("family: sd15", "family: flux")
+    both += "components: {transformer: {file: t.gguf, gb: 1}}\nquantize: {transformer: int8}\n"
+    (tmp_path / "e.yaml").write_text(both)
+    with pytest.raises(ManifestInvalid, match="a GGUF component is what its file holds"):
+        load_manifest_file(tmp_path / "e.yaml")
 
 
 def test_the_load_refuses_a_pickle_whatever_the_manifest_said(
