@@ -21,14 +21,7 @@ from rq.serializers import JSONSerializer
 from api_client import KilnClient, RenderFailed, RequestRejected, keys
 from api_client.schema import RENDER_FUNC
 from tests.conftest import MANIFESTS, kiln
-from tests.support.deployments import (
-    Deployment,
-    alive,
-    deployed,
-    ends,
-    quarantined,
-    worker_env,
-)
+from tests.support.deployments import Deployment, alive, deployed, ends, prepared, quarantined
 from tests.support.records import enqueue_raw, log_lines, records, render_record
 from tests.workers import wait_until
 
@@ -52,10 +45,8 @@ def make_record(conn: Redis, field: str, value: bytes | None, **options: Any) ->
 def deployment(
     redis_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    conn = Redis.from_url(redis_url)
-    conn.flushdb()
     out = tmp_path_factory.mktemp("hostile")
-    env = worker_env(redis_url, tiny_dir, out)
+    conn, env = prepared(redis_url, tiny_dir, out)
     # Start-up clean-up cases: a dead worker left a corrupt record in the intermediate list, and
     # another one in the started registry with its heartbeat long expired.
     held = make_record(conn, "status", b"exploded")

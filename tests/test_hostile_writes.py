@@ -30,14 +30,7 @@ from api_client.manifest import load_manifest_dir
 from api_client.schema import RENDER_FUNC, TimingFit
 from api_client.webhooks import MAX_DATA_BYTES, job_webhook_target
 from tests.conftest import MANIFESTS, kiln
-from tests.support.deployments import (
-    Deployment,
-    alive,
-    deployed,
-    ends,
-    quarantined,
-    worker_env,
-)
+from tests.support.deployments import Deployment, alive, deployed, ends, prepared, quarantined
 from tests.support.images import tiny_details
 from tests.support.records import log_lines, render_record
 from tests.workers import free_port, wait_until
@@ -61,10 +54,8 @@ BAD_FITS = {  # kiln:fits field -> value, written before the worker starts
 def deployment(
     redis_url: str, tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    conn = Redis.from_url(redis_url)
-    conn.flushdb()
     out = tmp_path_factory.mktemp("hostile-writes")
-    env = worker_env(redis_url, tiny_dir, out)
+    conn, env = prepared(redis_url, tiny_dir, out)
     conn.hset(keys.FITS_KEY, mapping=BAD_FITS)
     port = free_port()
     args = ("--models", MODEL, "--metrics-port", str(port))

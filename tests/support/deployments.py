@@ -53,6 +53,13 @@ class Deployment:
         return Path(self.env["KILN_TIMINGS_LOG"])
 
 
+def prepared(redis_url: str, models_dir: Path, root: Path) -> tuple[Redis, dict[str, str]]:
+    """The test's own Redis, flushed, and a `kiln worker` environment under root (worker_env)."""
+    conn = Redis.from_url(redis_url)
+    conn.flushdb()
+    return conn, worker_env(redis_url, models_dir, root)
+
+
 @contextmanager
 def deployed(
     conn: Redis, env: dict[str, str], log: Path, *args: str, **fields: Any
