@@ -41,10 +41,10 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(PY) -m pip install -q -e '.[worker,api,dev]'
 	$(PY) -m pip install -q --no-deps 'rq-exporter==3.1.0'
-	@# spandrel without its dependencies: they are torch and torchvision (kept as they are: a
-	@# resolver would swap the user's torch for the newest), and the worker extra's einops,
-	@# safetensors and numpy.
-	$(PY) -m pip install -q --no-deps 'spandrel==0.4.2'
+	@# spandrel and torchsde without their dependencies: they are torch and torchvision (kept as
+	@# they are: a resolver would swap the user's torch for the newest), and the worker extra's
+	@# einops, safetensors, numpy, scipy and trampoline. torchsde: the dpmpp_sde sampler.
+	$(PY) -m pip install -q --no-deps 'spandrel==0.4.2' 'torchsde==0.2.6'
 	@touch $(STAMP)
 
 run: $(STAMP)
