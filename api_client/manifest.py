@@ -25,12 +25,7 @@ from api_client.controls import ControlNetSpec, check_control_names, control_ref
 from api_client.errors import Problem
 from api_client.families import FAMILIES, Family, FamilyRow, families_with, family_row
 from api_client.loras import LoraSpec, check_lora_names
-from api_client.model_files import (
-    ComponentFile,
-    check_components,
-    gguf_quantize_refusal,
-    source_refusal,
-)
+from api_client.model_files import ComponentFile, check_components, weights_refusal
 from api_client.references import IPAdapterSpec, reference_refusal
 from api_client.samplers import Sampler
 from api_client.schema import (
@@ -280,9 +275,7 @@ class Manifest(_Strict):
         """A family run from one weights file names its scale and that file; a pipeline lists
         at least one resolution."""
         files = self.family_row.weights_files
-        why = source_refusal(self.source, self.config, bool(files)) or gguf_quantize_refusal(
-            self.components, self.quantize
-        )
+        why = weights_refusal(self.source, self.config, bool(files), self.components, self.quantize)
         if why is not None:
             raise ValueError(why)
         if not files:

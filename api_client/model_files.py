@@ -73,6 +73,20 @@ def check_components(components: dict[str, ComponentFile]) -> dict[str, Componen
     return components
 
 
+def weights_refusal(
+    source: str,
+    config: str | None,
+    one_file_family: bool,
+    components: dict[str, ComponentFile],
+    quantize: Mapping[str, object],
+) -> str | None:
+    """Why a manifest's weights do not go together, or None: the source and its config, and
+    quantize against the components' own files."""
+    return source_refusal(source, config, one_file_family) or gguf_quantize_refusal(
+        components, quantize
+    )
+
+
 def source_refusal(source: str, config: str | None, one_file_family: bool) -> str | None:
     """Why a pipeline's source and config do not go together, or None: a single file needs the
     config it lacks, a diffusers layout takes none; a pickle is never a source."""
