@@ -229,9 +229,10 @@ class TimingRecord(BaseModel):
         )
 
 
-# The fields a job's record and its result share, in name and meaning (DESIGN.md "Request and
-# result" and "Timings"), each declared once in each model: the result is built from the record
-# and a store-answered record from its result by these names, so neither copies them by hand.
+# The fields a job's record and its result share, in name and meaning (docs/contract.md,
+# "Request and result" and "Timings"), each declared once in each model: the result is built from
+# the record and a store-answered record from its result by these names, so neither copies them
+# by hand.
 # finished_at is each one's own clock: the result's when it is built, the record's at emit.
 RESULT_FIELDS = tuple(
     name
