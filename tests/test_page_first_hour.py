@@ -138,11 +138,6 @@ def test_the_render_button_and_the_newest_job_stay_in_view_at_1280x800(
         page.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", viewport)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tiny TAESD's random decoder answers ~0, which AutoencoderTiny maps to -1 (black):"
-    " worker/pipelines/tiny/components.py taesd(), not this page's code (issue 40 item 7)",
-)
 def test_a_live_preview_the_api_serves_is_not_black(
     gateway: Any, redis_conn: Redis, work: Any
 ) -> None:

@@ -48,7 +48,8 @@ __all__ = [
 # IP-Adapter in <pipeline>/ip_adapter for sd15 and sdxl (worker.pipelines.tiny.ip_adapter).
 # 8: self-hosters' files of the same weights: single-file sd15/sdxl, a kohya LoRA, a GGUF flux
 # transformer (worker.pipelines.tiny.files).
-BUILDER_VERSION: Final = 8
+# 9: the tiny TAESD answers mid-grey with a spread, not black (tiny.components.taesd).
+BUILDER_VERSION: Final = 9
 STAMP_FILE: Final = "kiln_tiny.json"
 
 # Everything the build makes, from the families' rows: the tiny pipelines (one a family, and

@@ -61,8 +61,12 @@ def kl_vae(
 
 
 def taesd(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderTiny:
-    """An AutoencoderTiny with TAESD's layout (8x, four levels) but a few channels a level."""
-    return AutoencoderTiny(
+    """An AutoencoderTiny with TAESD's layout (8x, four levels) but a few channels a level.
+
+    Its last convolution is set to answer mid-grey with a visible spread: at random weights the
+    decoder answers about 0, which AutoencoderTiny maps to -1, and every live preview was black
+    (mean 0.02/255), reading as a broken preview rather than a tiny model's noise."""
+    vae = AutoencoderTiny(
         encoder_block_out_channels=(8, 8, 8, 8),
         decoder_block_out_channels=(8, 8, 8, 8),
         num_encoder_blocks=(1, 1, 1, 1),
@@ -71,6 +75,11 @@ def taesd(latent_channels: int, scaling_factor: float, shift_factor: float) -> A
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
     )
+    last = vae.decoder.layers[-1]
+    with torch.no_grad():
+        last.bias.fill_(0.5)  # TAESD answers 0-1; 0.5 is mid-grey
+        last.weight.mul_(4)
+    return vae
 
 
 def clip_config(vocab_size: int, hidden_act: str) -> CLIPTextConfig:
