@@ -14,7 +14,7 @@ from tests.conftest import MANIFESTS, ROOT, kiln
 from worker.manifest import load_manifests
 from worker.memory.device import probe
 from worker.memory.ladder import Fit, rung_need_gb, usable_gb
-from worker.ops.plan import plan_model
+from worker.ops.plan import plan_manifests, plan_model
 from worker.settings import Settings
 
 ROW = re.compile(r"^\| `([\w.-]+)` \| `(\w+)` \| (\w+) \| (\w+) \| ([^|]+) \| ([\d.]+) GB \|$")
@@ -103,3 +103,14 @@ def test_doctor_profile_exits_1_naming_a_model_that_cannot_run(kiln_env: dict[st
     assert done.returncode == 1
     plan = next(p for p in json.loads(done.stdout) if p["model"] == "qwen-image")
     assert not plan["runs"] and "even at group_offload" in plan["reason"]
+
+
+def test_a_gguf_variant_says_what_its_file_saves_against_the_bf16_manifest() -> None:
+    settings = Settings(device_profile="l4", manifests=MANIFESTS)
+    info = probe(settings)
+    usable = usable_gb(info.free_bytes, 0, settings.vram_reserve_gb, settings.vram_budget_gb, 0)
+    plans = {plan.model: plan for plan in plan_manifests(settings, info, usable)[0]}
+    q4 = plans["flux1-dev-gguf-q4"].variant
+    assert q4.startswith("against flux1-dev: transformer GGUF 6.81 GB against 23.8 GB"), q4
+    assert "saves 16.99 GB" in q4 and f"{plans['flux1-dev'].resident_gb:.2f} GB" in q4
+    assert plans["flux1-dev"].variant == ""  # the base itself is no variant

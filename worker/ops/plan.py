@@ -41,6 +41,9 @@ class ModelPlan:
     quantize: dict[str, str | None] = field(default_factory=dict)  # component -> scheme or None
     quantize_reasons: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # why it cannot run on this card
+    # A variant whose components come from their own files (a GGUF transformer): what the files
+    # save against the manifest of the same source without them, and what that buys on the card.
+    variant: str = ""
 
     @property
     def runs(self) -> bool:
@@ -118,9 +121,38 @@ def plan_manifests(
     from api_client.manifest import load_manifest_dir
 
     manifests, _failures = load_manifest_dir(settings.manifests)
-    plans = [plan_model(m, info, settings, usable) for m in manifests.values()]
+    plans = {m.id: plan_model(m, info, settings, usable) for m in manifests.values()}
+    for manifest in manifests.values():
+        base = next(
+            (
+                other
+                for other in manifests.values()
+                if manifest.components and other.source == manifest.source and not other.components
+            ),
+            None,
+        )
+        if base is not None:
+            plan = plans[manifest.id]
+            plan.variant = _variant(manifest, base, plan, plans[base.id])
     served = tuple(m.id for m in manifests.values() if not m.benchmark_only)
-    return sorted(plans, key=lambda p: p.model), served
+    return sorted(plans.values(), key=lambda p: p.model), served
+
+
+def _variant(manifest: Manifest, base: Manifest, plan: ModelPlan, base_plan: ModelPlan) -> str:
+    """What a variant's component files save against base, the same weights in the source's own
+    precision, and what the card does with each: `kiln doctor --profile` shows it for a GGUF."""
+    parts = []
+    for name, file in manifest.components.items():
+        held = base.component_gb.get(name)
+        saved = f", saves {held - file.gb:.2f} GB" if held is not None else ""
+        kind = "GGUF" if file.gguf else "safetensors"
+        parts.append(f"{name} {kind} {file.gb:.2f} GB against {held or '?'} GB{saved}")
+    return (
+        f"against {base.id}: " + "; ".join(parts) + f"; here {plan.rung} holding"
+        f" {plan.resident_gb:.2f} GB, {base.id} {base_plan.rung} holding"
+        f" {base_plan.resident_gb:.2f} GB"
+        + ("" if base_plan.runs or not plan.runs else f" ({base.id} cannot run here)")
+    )
 
 
 def plan_lines(plans: list[ModelPlan], served: tuple[str, ...]) -> list[str]:
@@ -142,6 +174,8 @@ def plan_lines(plans: list[ModelPlan], served: tuple[str, ...]) -> list[str]:
         ]
         lines += [f"  {kind:<13} {name}: {reason}" for kind, name, reason in plan.switches]
         lines.append(f"  resident      {plan.resident_gb:.2f} GB on the device at {plan.rung}")
+        if plan.variant:
+            lines.append(f"  files         {plan.variant}")
         lines += [
             f"  quantize      {c}: {plan.quantize[c] or 'none'} ({why})"
             for c, why in plan.quantize_reasons.items()
