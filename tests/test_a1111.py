@@ -251,7 +251,6 @@ def test_refusals_in_a1111s_shape_name_the_field(stack: Stack) -> None:
         ({"sampler_name": "DPM adaptive"}, 422, "sampler_name"),
         ({"scheduler": "polyexponential"}, 422, "scheduler"),
         ({"restore_faces": True}, 422, "restore_faces"),
-        ({"wobble": 1}, 422, "wobble"),
         ({"enable_hr": True, "hr_resize_x": 512}, 422, "hr_resize_x"),
         ({"override_settings": {"CLIP_stop_at_last_layers": 2}}, 422, "CLIP_stop_at_last_layers"),
         ({"steps": 999}, 422, "steps"),

@@ -86,6 +86,6 @@ def test_models_shows_modes_loras_and_whether_a_worker_serves_each(
     listed = {m["id"]: m for m in json.loads(kiln("models", "--json", env=kiln_env).stdout)}
     sd15 = listed["tiny-sd15"]
     assert sd15["served"] is False and sd15["workers"] == []  # published, but no live worker
-    assert "img2img" in sd15["modes"] and sd15["loras"] == ["detail", "style"]
-    human = kiln("models", env=kiln_env).stdout
-    assert "no live worker" in human and "detail, style" in human
+    assert "img2img" in sd15["modes"] and sd15["loras"] == ["detail", "kohya", "style"]
+    human = kiln("models", env=kiln_env | {"COLUMNS": "300"}).stdout  # wide enough for all
+    assert "no live worker" in human and "detail, kohya, style" in human

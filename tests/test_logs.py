@@ -183,6 +183,7 @@ def test_a_watched_connection_keeps_its_retry_policy_and_reports_to_one_watch() 
     assert watch.lost_at is not None
 
 
+@pytest.mark.slow  # tests/test_idle_stop.py holds the one-lost-one-regained rule in make test
 def test_a_redis_outage_leaves_one_lost_and_one_regained_line(
     kiln_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ from tests.conftest import kiln
 from worker.startup import PHASES, StartClock
 
 
+@pytest.mark.slow  # a real worker start, timed phase by phase
 def test_a_real_start_accounts_for_its_seconds_phase_by_phase(
     redis_conn: Redis, kiln_env: dict[str, str]
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from redis import Redis
 
 from api_client import KilnClient, keys
@@ -21,6 +22,7 @@ def published(conn: Redis, name: str) -> WorkerState | None:
     return WorkerState.model_validate_json(raw) if raw else None
 
 
+@pytest.mark.slow  # two worker processes; the display's logic is tested without them
 def test_top_once_shows_two_workers_and_two_queues(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
 ) -> None:

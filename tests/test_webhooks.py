@@ -354,6 +354,7 @@ def test_several_workers_share_each_targets_outbox_and_leave_other_targets(
     assert redis_conn.zcard(outbox_key("elsewhere", "due")) == 1
 
 
+@pytest.mark.slow  # a sender killed and restarted
 def test_every_job_end_outside_a_render_lands_in_the_outbox_and_survives_its_sender(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Any
 ) -> None:
