@@ -243,6 +243,50 @@ def test_a_missing_local_directory_names_its_path_and_builder(
         pull({"tiny-sd15": manifests["tiny-sd15"]}, tmp_path / "empty", say=lambda _line: None)
 
 
+def test_a_file_missing_under_a_local_directory_is_named_not_fetched(
+    settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tiny-sd15 built by an older kiln: its directory is here, its kohya LoRA file is not. The
+    # name reads as owner/repo/file, but asking the hub for "tiny-sd15/loras" is never right.
+    import shutil
+
+    import huggingface_hub
+
+    def no_hub(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the hub was asked for a local file")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    models = tmp_path / "models"
+    shutil.copytree(settings.models_dir / "tiny-sd15", models / "tiny-sd15")
+    (models / "tiny-sd15" / "loras" / "tiny-sd15-lora-kohya.safetensors").unlink()
+    manifests = load_manifests(settings.manifests, ["tiny-sd15"])
+    gap = missing(manifests, models)["tiny-sd15"]
+    assert "tiny-sd15-lora-kohya.safetensors" in gap and "`kiln tiny-models`" in gap
+    with pytest.raises(PullError, match="kiln tiny-models"):
+        pull(manifests, models, say=lambda _line: None)
+
+
+def test_a_hub_that_cannot_be_reached_fails_in_one_line(
+    settings: Any, hf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise LocalEntryNotFoundError("Got: ConnectError: Name or service not known\nmore")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    manifests = load_manifests(settings.manifests, ["sdxl-turbo"])
+    with pytest.raises(PullError) as failure:
+        pull(manifests, settings.models_dir, say=lambda _line: None)
+    message = str(failure.value)
+    assert message.startswith("model sdxl-turbo: could not fetch stabilityai/sdxl-turbo from the")
+    assert "\n" not in message  # one line, never huggingface_hub's traceback
+
+
 def test_kiln_pull_and_a_worker_offline_without_weights(
     kiln_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -113,7 +113,9 @@ def _file_fetches(
     wanted = []
     for name, revision in files:
         found = hub_file_parts(name, models_dir)
-        if found is None:
+        # Under a directory that is here (tiny-sd15/loras/x.safetensors), a missing file is a
+        # local one, not owner/repo/file on the hub: say so rather than ask the hub for it.
+        if found is None or (models_dir / Path(name).parts[0]).is_dir():
             path = Path(name).expanduser()
             path = path if path.is_absolute() else models_dir / path
             if not path.is_file():
@@ -287,7 +289,12 @@ def pull(
 def _download(fetch: Fetch, manifest: Manifest, say: Callable[[str], None]) -> None:
     """snapshot_download with its progress bar, the gated case as one line."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         fetch = narrowed(fetch, manifest)
@@ -308,6 +315,11 @@ def _download(fetch: Fetch, manifest: Manifest, say: Callable[[str], None]) -> N
         raise PullError(
             f"model {fetch.model}: no repository {fetch.repo} on the hub (or it is private:"
             " set HF_TOKEN)"
+        ) from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PullError(
+            f"model {fetch.model}: could not fetch {fetch.repo} from the hub ({reason})"
         ) from None
 
 
