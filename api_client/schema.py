@@ -151,7 +151,7 @@ class RenderRequest(BaseModel):
     # draft), false for every step computed (an exact final); None: the worker's auto decision.
     step_cache: bool | None = None
     # The lane its model's jobs wait in: interactive (someone is waiting; the default, None on
-    # the wire) ahead of batch, which is never starved (README: queues and lanes).
+    # the wire) ahead of batch, which is never starved (docs/requests.md, on lanes).
     priority: Priority | None = None
 
     @property

@@ -62,7 +62,7 @@ KEY_BYTES = (24, 64)  # the spec's range for a secret's random bytes
 TOLERANCE_S = 300  # what the Standard Webhooks libraries accept either side of now
 SECRET_FORM = (
     f"whsec_ followed by the base64 of {KEY_BYTES[0]}-{KEY_BYTES[1]} random bytes, as "
-    "Standard Webhooks has it (README, Webhooks: how to make one)"
+    "Standard Webhooks has it (docs/results.md, Webhooks: how to make one)"
 )
 
 OUTBOX_PREFIX = "kiln:webhooks:"  # kiln:webhooks:<target>:<part>, parts in OUTBOX_PARTS

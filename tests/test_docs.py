@@ -58,6 +58,14 @@ def test_the_first_screen_has_the_two_commands_and_the_page() -> None:
     assert "## Contents" in (ROOT / "README.md").read_text()
 
 
+def test_the_readme_is_a_guide_and_the_reference_lives_in_docs() -> None:
+    # A newcomer needed its first 120 lines and the route table; the rest is reference (issue 40).
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 400
+    for page in ("requests", "http", "workers", "manifests", "results", "fleet", "benchmarks"):
+        assert f"](docs/{page}.md)" in readme, page
+
+
 def test_an_operators_words_are_findable() -> None:
     text = "\n".join(d.read_text() for d in DOCS)
     for word in (

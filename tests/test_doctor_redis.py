@@ -54,7 +54,7 @@ def test_a_redis_set_up_as_compose_has_it_gets_no_warning(server: RedisServer) -
 @pytest.mark.parametrize("server", [FORGETFUL], indirect=True)
 def test_config_refused_by_the_acl_is_said_not_checked(server: RedisServer) -> None:
     admin = Redis(port=server.port)
-    # kiln's worker user as README.md lists it: no @dangerous, so no CONFIG.
+    # kiln's worker user as docs/fleet.md lists it: no @dangerous, so no CONFIG.
     admin.acl_setuser(
         "kiln-worker",
         enabled=True,

@@ -1,5 +1,5 @@
-"""`kiln doctor --profile`: the plan every card gets for the models people run now. The README's
-table is held to plan_model, and the command line names a rung, dtype and quantization for
+"""`kiln doctor --profile`: the plan every card gets for the models people run now. The table in
+docs/workers.md is held to plan_model, and the command line names a rung, dtype and quantization for
 flux1-dev and qwen-image on an L4 and a T4, as text and as JSON."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from worker.settings import Settings
 ROW = re.compile(r"^\| `([\w.-]+)` \| `(\w+)` \| (\w+) \| (\w+) \| ([^|]+) \| ([\d.]+) GB \|$")
 
 
-def _readme_rows() -> list[tuple[str, ...]]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _table_rows() -> list[tuple[str, ...]]:
+    text = (ROOT / "docs" / "workers.md").read_text(encoding="utf-8")
     return [m.groups() for line in text.splitlines() if (m := ROW.match(line.strip()))]
 
 
@@ -32,8 +32,8 @@ def _plan(model: str, profile: str) -> Any:
     return plan_model(load_manifests(MANIFESTS, [model])[model], info, settings, usable)
 
 
-def test_the_readme_table_is_what_the_code_plans() -> None:
-    rows = _readme_rows()
+def test_the_documented_table_is_what_the_code_plans() -> None:
+    rows = _table_rows()
     profiles = {"t4", "l4", "a100", "h200", "mi300", "mps"}
     assert {(m, p) for m, p, *_ in rows} >= {
         (m, p) for m in ("flux1-dev", "qwen-image") for p in profiles

@@ -38,7 +38,7 @@ UNETS = ("sd15", "sdxl")
 # Budgets that land a tiny model (full 0.1 GB, partial 0.08, model_offload 0.05, group_offload
 # 0.02 at 16 bit; twice that in fp32) on a rung.
 TINY_BUDGET = {"full": None, "partial": 0.09, "model_offload": 0.07, "group_offload": 0.03}
-# The rungs the real models get where they do not fit fully (all others: full), as the README's
+# The rungs the real models get where they do not fit fully (all others: full), as docs/workers.md's
 # table of plans shows: a T4 plans with 15 GiB free = 16.11 GB - 0.5 reserve = 15.61 GB, at 5 GiB
 # free with 4.87 GB, and the flow transformers run fp32 there (no bf16), which doubles their needs.
 LOW_RUNGS = {

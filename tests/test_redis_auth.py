@@ -30,7 +30,7 @@ from tests.workers import (
 )
 from worker.pipelines.compile_cache import PREFIX, CompileCache
 
-# The ACLs kiln documents for operators (README "Redis ACLs"); these tests prove they suffice.
+# The ACLs kiln documents for operators (docs/fleet.md, "Redis ACLs"); these tests prove them.
 WORKER_ACL = (
     "user kiln-worker on >worker-secret ~rq:* ~kiln:* ~kiln-fleet:* &rq:pubsub:* "
     "-@all +@read +@write +@keyspace +@list +@hash +@set +@sortedset +@string +@transaction "

@@ -159,7 +159,7 @@ def test_each_target_holds_at_most_outbox_max_and_a_refusal_is_logged(
     redis_conn: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR)
-    assert OUTBOX_MAX == 10_000  # the stated bound (README, Webhooks)
+    assert OUTBOX_MAX == 10_000  # the stated bound (docs/results.md, Webhooks)
     with redis_conn.pipeline(transaction=False) as pipe:
         for n in range(OUTBOX_MAX):
             queue_webhook(pipe, "studio", job_event(f"job-{n}"))

@@ -16,7 +16,7 @@ key, and a header that differs from the job's is never unpacked. Inside, torch's
 still decide what is used, so a bundle can only ever miss, never supply wrong code.
 
 Trust. A bundle holds shared objects a worker loads and runs: only workers may read or write the
-`kiln-fleet:` keys (README: Redis ACLs); the gateway's and clients' users are not given them.
+`kiln-fleet:` keys (docs/fleet.md, Redis ACLs); the gateway's and clients' users are not given them.
 
 Bounds. Each bundle lives KILN_COMPILE_CACHE_TTL_S from its last use; together they hold at most
 KILN_COMPILE_CACHE_MB, the least recently used dropped first (0 turns sharing off)."""
