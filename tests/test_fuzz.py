@@ -132,6 +132,8 @@ plausible = {
             },
         ),
     ),
+    "sampler": st.sampled_from([None, "euler", "euler_ancestral", "dpmpp_2m", "Euler a", "", 3]),
+    "sigmas": st.sampled_from([None, "normal", "karras", "beta", "simple", ""]),
 }
 
 
