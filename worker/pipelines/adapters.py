@@ -206,9 +206,10 @@ class AdapterSlots:
             started = time.perf_counter()
             # A shallow copy: diffusers pops from the dict it is given. Hotswap copies values
             # into the slot's own tensors, so the raw tensors stay as read.
-            self.pipe.load_lora_weights(
-                dict(self.adapters[name].raw), adapter_name=self.names[index], hotswap=True
-            )
+            with _model_offload_lifted(self.pipe):
+                self.pipe.load_lora_weights(
+                    dict(self.adapters[name].raw), adapter_name=self.names[index], hotswap=True
+                )
             self.held[index] = name
             self.scalings[index] = self._scalings(self.names[index])
             self.weights[index] = 1.0  # the swap set alpha/rank: strength 1
@@ -282,3 +283,19 @@ def _placeholder(
 
 def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
+
+
+@contextmanager
+def _model_offload_lifted(pipe: Any) -> Iterator[None]:
+    """The model_offload rung's hooks off while an adapter loads, and back on the device they
+    had. diffusers lifts and restores them itself, but restores with no device: on a CPU worker
+    that raises "requires accelerator", so a pinned model_offload job with a LoRA failed."""
+    device = getattr(pipe, "_offload_device", None)
+    hooked = device is not None and bool(getattr(pipe, "_all_hooks", None))
+    if hooked:
+        pipe.remove_all_hooks()
+    try:
+        yield
+    finally:
+        if hooked:
+            pipe.enable_model_cpu_offload(device=device)
