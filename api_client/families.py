@@ -114,22 +114,34 @@ class FamilyRow:
     foreign: tuple[str, ...] = ("scale", "tile")
     foreign_why: str = ""
     # The samplers a request may ask of it (what diffusers' schedulers run for it here:
-    # worker.pipelines.samplers maps each onto one), and the sigma schedules each takes beside
-    # normal. Empty: it takes no sampler. A manifest may narrow them (Manifest.samplers).
+    # worker.pipelines.samplers maps each onto one). Empty: it takes no sampler. A manifest may
+    # narrow them (Manifest.samplers).
     samplers: tuple[Sampler, ...] = ()
-    schedules: Mapping[Sampler, tuple[Sigmas, ...]] = field(default_factory=dict)
     # Its denoiser predicts a flow (rectified flow, FlowMatch* schedulers), not noise: the
-    # schedulers that run it are the flow solvers (worker.pipelines.samplers.FLOW).
+    # schedulers that run it are the flow solvers (worker.pipelines.samplers.FLOW), and the sigma
+    # schedules and from-noise-only rules are the flow solvers' (schedules, txt2img_only).
     flow_matching: bool = False
-    # Samplers it runs from noise only, and why: img2img, inpaint and a hires pass start part-way
-    # through the schedule, which these schedulers cannot here.
-    txt2img_only: Mapping[Sampler, str] = field(default_factory=dict)
     # The samplers an edit model of the family takes (its edit pipeline class's); None: samplers.
     edit_samplers: tuple[Sampler, ...] | None = None
 
     def samplers_for(self, edit: bool) -> tuple[Sampler, ...]:
         """The samplers a model of the family takes: an edit model's (edit), or the family's."""
         return self.edit_samplers if edit and self.edit_samplers is not None else self.samplers
+
+    @property
+    def schedules(self) -> Mapping[Sampler, tuple[Sigmas, ...]]:
+        """The sigma schedules beside normal each of its samplers takes."""
+        return self._offered(_FLOW_SCHEDULES if self.flow_matching else _NOISE_SCHEDULES)
+
+    @property
+    def txt2img_only(self) -> Mapping[Sampler, str]:
+        """Its samplers that run from noise only, and why: img2img, inpaint and a hires pass
+        start part-way through the schedule, which these schedulers cannot here."""
+        return self._offered(_FLOW_TXT2IMG_ONLY if self.flow_matching else {})
+
+    def _offered(self, table: Mapping[Sampler, Any]) -> dict[Sampler, Any]:
+        offered = {*self.samplers, *(self.edit_samplers or ())}
+        return {sampler: value for sampler, value in table.items() if sampler in offered}
 
     def sigmas_for(self, sampler: Sampler) -> tuple[Sigmas, ...]:
         """The sigma schedules the sampler takes on this family: normal, then its own."""
@@ -204,7 +216,6 @@ FAMILIES: dict[str, FamilyRow] = {
             control=_SD_CONTROL,
             reference=TXT2IMG_INPAINT,
             samplers=SAMPLERS,
-            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sd2",
@@ -215,7 +226,6 @@ FAMILIES: dict[str, FamilyRow] = {
             reference="no IP-Adapter is published for SD 2.x (h94/IP-Adapter's are for SD1.5 and"
             " SDXL)",
             samplers=SAMPLERS,
-            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sdxl",
@@ -226,7 +236,6 @@ FAMILIES: dict[str, FamilyRow] = {
             control=ControlRule(TXT2IMG_INPAINT, union=True),
             reference=TXT2IMG_INPAINT,
             samplers=SAMPLERS,
-            schedules=_NOISE_SCHEDULES,
         ),
         FamilyRow(
             "sd3",
@@ -238,8 +247,6 @@ FAMILIES: dict[str, FamilyRow] = {
             " only, through diffusers' SD3IPAdapterMixin)",
             flow_matching=True,
             samplers=(*_FLOW_SOLVERS, "heun", "uni_pc", "lcm"),
-            schedules=_FLOW_SCHEDULES,
-            txt2img_only=_FLOW_TXT2IMG_ONLY,
         ),
         FamilyRow(
             "flux",
@@ -259,8 +266,6 @@ FAMILIES: dict[str, FamilyRow] = {
             " FluxIPAdapterMixin)",
             flow_matching=True,
             samplers=(*_FLOW_SOLVERS, "uni_pc", "lcm"),
-            schedules=_FLOW_SCHEDULES,
-            txt2img_only=_FLOW_TXT2IMG_ONLY,
             # FluxKontextPipeline hands set_timesteps its sigmas even on flow sigmas: no DPM-Solver.
             edit_samplers=("euler", "euler_ancestral", "uni_pc", "lcm"),
         ),
@@ -280,8 +285,6 @@ FAMILIES: dict[str, FamilyRow] = {
             reference=f"FLUX.2 klein {_NO_IP}",
             flow_matching=True,
             samplers=(*_FLOW_SOLVERS, "uni_pc", "lcm"),
-            schedules=_FLOW_SCHEDULES,
-            txt2img_only=_FLOW_TXT2IMG_ONLY,
         ),
         FamilyRow(
             "qwenimage",
@@ -300,8 +303,6 @@ FAMILIES: dict[str, FamilyRow] = {
             # them. Its edit pipeline has no tiny model here: only the FlowMatch schedulers,
             # whose set_timesteps and scale_noise are its own scheduler's.
             samplers=("euler", "euler_ancestral", "uni_pc", "lcm"),
-            schedules=_FLOW_SCHEDULES,
-            txt2img_only={"uni_pc": _FLOW_TXT2IMG_ONLY["uni_pc"]},
             edit_samplers=("euler", "euler_ancestral", "lcm"),
         ),
         FamilyRow(
@@ -319,7 +320,6 @@ FAMILIES: dict[str, FamilyRow] = {
             flow_matching=True,
             # Z-Image hands set_timesteps its own sigmas: no Heun, DPM-Solver or UniPC.
             samplers=("euler", "euler_ancestral", "lcm"),
-            schedules=_FLOW_SCHEDULES,
         ),
         # One forward pass over the image (Real-ESRGAN and kin, through spandrel), guided by
         # nothing: its steps and guidance, which every manifest has, are fixed, and a request
