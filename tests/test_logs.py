@@ -183,6 +183,39 @@ def test_a_watched_connection_keeps_its_retry_policy_and_reports_to_one_watch() 
     assert watch.lost_at is not None
 
 
+def test_a_pooled_socket_left_from_before_an_outage_is_not_redis_answering(
+    tmp_path: Path,
+) -> None:
+    """redis-py's pool calls connect() on every connection it hands out, and on one already
+    connected that returns at once: a stale socket from before the outage must not read as
+    Redis back (it logged redis_regained, then a second redis_lost, in one outage)."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    retry = Retry(ExponentialBackoff(cap=0.01, base=0.001), retries=1)
+    connection = Redis.from_url(f"redis://127.0.0.1:{redis.port}/0", retry=retry)
+    try:
+        watch = watch_connection(connection)
+        pool = connection.connection_pool
+        idle, busy = pool.get_connection(), pool.get_connection()  # two sockets, connected
+        pool.release(idle)
+        redis.kill()
+        with capture_logs() as logged:
+            with pytest.raises(RedisConnectionError):
+                connection.ping()  # on idle: the outage begins
+            pool.release(busy)  # another thread's socket, back in the pool from before
+            with pytest.raises(RedisConnectionError):
+                connection.ping()  # on busy: the same outage
+        assert [e["event"] for e in logged] == ["redis_lost"]
+        redis.start()
+        with capture_logs() as logged:
+            assert connection.ping() is True
+        assert [e["event"] for e in logged] == ["redis_regained"] and watch.lost_at is None
+    finally:
+        connection.close()
+        redis.kill()
+
+
 @pytest.mark.slow  # tests/test_idle_stop.py holds the one-lost-one-regained rule in make test
 def test_a_redis_outage_leaves_one_lost_and_one_regained_line(
     kiln_env: dict[str, str], tmp_path: Path

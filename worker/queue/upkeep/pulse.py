@@ -146,7 +146,29 @@ def watch_connection(connection: Redis) -> RedisWatch:
     watched = WatchedRetry(watch, retry._backoff, retry.get_retries(), retry._supported_errors)
     watched.update_supported_errors(connection.get_connection_kwargs().get("retry_on_error") or [])
     connection.set_retry(watched)
+    pool = connection.connection_pool
+    pool.connection_class = _connecting_unheard(pool.connection_class, watch)
     return watch
+
+
+def _connecting_unheard(base: type[Any], watch: RedisWatch) -> type[Any]:
+    """The pool's connection class whose connect() is never Redis answering: the pool calls it on
+    every connection it hands out, and on a socket left from before an outage it returns at once
+    (redis-py checks the socket only after). Counted as an answer, that logged redis_regained and
+    a second redis_lost inside one outage. Its failures still reach the watch."""
+
+    class Connecting(base):  # type: ignore[misc]
+        def connect(self) -> None:
+            calls = watch.calls
+            depth = getattr(calls, "depth", 0)
+            calls.depth = depth + 1
+            try:
+                super().connect()
+            finally:
+                calls.depth = depth
+
+    Connecting.__name__ = Connecting.__qualname__ = f"Watched{base.__name__}"
+    return Connecting
 
 
 class Outages:
