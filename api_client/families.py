@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from api_client.samplers import SAMPLERS, SIGMAS, Sampler, Sigmas
-from api_client.schema import Mode
+from api_client.schema import VIDEO_MODES, Mode
 
-Family = Literal["sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage", "upscaler"]
-# What a family's models make: images by denoising, or a larger image of an input. Video next.
+Family = Literal[
+    "sd15", "sd2", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage", "wan", "ltx", "upscaler"
+]
+# What a family's models make: images (or videos: FamilyRow.frame_step) by denoising, or a larger
+# image of an input.
 Kind = Literal["diffusion", "upscaler"]
 
 
@@ -123,6 +126,20 @@ class FamilyRow:
     flow_matching: bool = False
     # The samplers an edit model of the family takes (its edit pipeline class's); None: samplers.
     edit_samplers: tuple[Sampler, ...] | None = None
+    # Its models make videos whose frame count is frame_step * k + 1 (the VAE compresses time by
+    # frame_step and keeps the first frame on its own); 0: images.
+    frame_step: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.frame_step > 0
+
+    def frames_refusal(self, frames: int) -> str | None:
+        """Why a frame count breaks the family's rule, or None."""
+        if self.frame_step and (frames < 1 or (frames - 1) % self.frame_step):
+            step = self.frame_step
+            return f"family {self.name} makes {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...)"
+        return None
 
     def samplers_for(self, edit: bool) -> tuple[Sampler, ...]:
         """The samplers a model of the family takes: an edit model's (edit), or the family's."""
@@ -204,6 +221,9 @@ _FLOW_SOLVERS: tuple[Sampler, ...] = ("euler", "euler_ancestral", "dpmpp_2m", "d
 # img2img for them, and their ControlNet inpaint pipelines run an inpainting ControlNet (the
 # masked image is its control image) with no image or strength: another checkpoint's task.
 _NO_IP = "has no IP-Adapter (none published for it, none in diffusers 0.42)"
+_VIDEO_CONTROL = "has no ControlNet in kiln (diffusers' video control pipelines are not run yet)"
+_VIDEO_IP = "takes no reference image here (img2video's image is its first frame)"
+_VIDEO_CACHE = "{}'s step cache is not measured in kiln yet"
 
 FAMILIES: dict[str, FamilyRow] = {
     row.name: row
@@ -320,6 +340,32 @@ FAMILIES: dict[str, FamilyRow] = {
             flow_matching=True,
             # Z-Image hands set_timesteps its own sigmas: no Heun, DPM-Solver or UniPC.
             samplers=("euler", "euler_ancestral", "lcm"),
+        ),
+        # Wan 2.1 / 2.2 (WanPipeline, WanImageToVideoPipeline): a UMT5 encoder, a 3D transformer
+        # over the Wan VAE's latents (4x in time, 8x or 16x in space), 2x2 patches; sizes on a
+        # 16 px grid (its pipeline's check). Its guidance is CFG above 1.
+        FamilyRow(
+            "wan",
+            grid=16,
+            modes=VIDEO_MODES,
+            no_step_cache=_VIDEO_CACHE.format("Wan"),
+            control=f"Wan {_VIDEO_CONTROL}",
+            reference=f"Wan {_VIDEO_IP}",
+            flow_matching=True,
+            frame_step=4,
+        ),
+        # LTX-Video (LTXPipeline, LTXImageToVideoPipeline): a T5 encoder over its VAE's 8x-in-time,
+        # 32x-in-space latents, packed into tokens; sizes on a 32 px grid. CFG above 1.
+        FamilyRow(
+            "ltx",
+            grid=32,
+            modes=VIDEO_MODES,
+            packed_latents=True,
+            no_step_cache=_VIDEO_CACHE.format("LTX-Video"),
+            control=f"LTX-Video {_VIDEO_CONTROL}",
+            reference=f"LTX-Video {_VIDEO_IP}",
+            flow_matching=True,
+            frame_step=8,
         ),
         # One forward pass over the image (Real-ESRGAN and kin, through spandrel), guided by
         # nothing: its steps and guidance, which every manifest has, are fixed, and a request

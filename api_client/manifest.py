@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,9 +29,12 @@ from api_client.model_files import ComponentFile, check_components, weights_refu
 from api_client.references import IPAdapterSpec, reference_refusal
 from api_client.samplers import Sampler
 from api_client.schema import (
+    MAX_FPS,
+    VIDEO_MODES,
     Mode,
     Rung,
 )
+from api_client.step_caches import StepCacheSpec
 
 Scheduler = Literal[
     "dpmsolver",
@@ -78,6 +81,19 @@ class StepRange(_Strict):
         return self
 
 
+class FrameRange(_Strict):
+    """A video model's frames: what a request gets unless it asks, and the most it may ask."""
+
+    default: int = Field(ge=1)
+    max: int = Field(ge=1, le=1025)
+
+    @model_validator(mode="after")
+    def _max_not_below_default(self) -> FrameRange:
+        if self.max < self.default:
+            raise ValueError(f"max ({self.max}) must be >= default ({self.default})")
+        return self
+
+
 class GuidanceRange(_Strict):
     default: float = Field(ge=0)
     max: float = Field(ge=0, le=100)
@@ -87,74 +103,6 @@ class GuidanceRange(_Strict):
         if self.max < self.default:
             raise ValueError(f"max ({self.max}) must be >= default ({self.default})")
         return self
-
-
-# Steps at and above which auto uses a model's step cache when its manifest names no min_steps:
-# the first step always computes and reuse needs steps that change little, which 20+ step
-# schedules have and few-step (distilled) ones do not (Qwen-Image-Lightning 1.04-1.33x, FLUX.2
-# klein's PSNR 20-32: issue 29's sources).
-DEFAULT_MIN_STEPS = 20
-
-
-class _StepCacheBase(_Strict):
-    min_steps: int | None = Field(default=None, ge=1, le=1000)  # auto uses it from here
-    source: str | None = None  # where the figures come from (a paper, a model card)
-
-    @property
-    def auto_min_steps(self) -> int:
-        return DEFAULT_MIN_STEPS if self.min_steps is None else self.min_steps
-
-
-class FirstBlockCache(_StepCacheBase):
-    """diffusers' First Block Cache: the first transformer block runs every step, the rest are
-    skipped while that block's residual has moved by less than `threshold` (relative mean) since
-    the last full step. Higher reuses more."""
-
-    kind: Literal["first_block"]
-    threshold: float = Field(gt=0, le=1)
-
-    @property
-    def params(self) -> dict[str, int | float | str]:
-        return {"threshold": self.threshold}
-
-
-class MagCache(_StepCacheBase):
-    """diffusers' MagCache: skips whole steps while the error accumulated from the model's
-    calibrated residual-magnitude ratios stays under `threshold`, at most `max_skip_steps` in a
-    row, never in the first `retention_ratio` of the steps. The ratios are the checkpoint's own:
-    `flux` is diffusers' FLUX.1-dev calibration (FLUX_MAG_RATIOS), or a list from a calibration
-    run. They follow the schedule from its first step, so img2img and inpaint, which start
-    part-way, do not use it."""
-
-    kind: Literal["magcache"]
-    threshold: float = Field(gt=0, le=1)
-    max_skip_steps: int = Field(default=3, ge=1, le=50)
-    retention_ratio: float = Field(default=0.2, ge=0, lt=1)
-    mag_ratios: Literal["flux"] | Annotated[list[float], Field(min_length=2)]
-
-    @property
-    def params(self) -> dict[str, int | float | str]:
-        ratios = self.mag_ratios if isinstance(self.mag_ratios, str) else "calibrated"
-        return {
-            "threshold": self.threshold,
-            "max_skip_steps": self.max_skip_steps,
-            "retention_ratio": self.retention_ratio,
-            "mag_ratios": ratios,
-        }
-
-
-StepCacheSpec = Annotated[FirstBlockCache | MagCache, Field(discriminator="kind")]
-
-
-def partway_refusal(spec: FirstBlockCache | MagCache, mode: str | None) -> str | None:
-    """Why a step cache cannot run a job of this mode, or None: MagCache's ratios are indexed
-    from the schedule's first step, and img2img and inpaint start part-way through it."""
-    if spec.kind == "magcache" and mode in ("img2img", "inpaint"):
-        return (
-            f"magcache's ratios follow the schedule from its first step, and {mode} starts"
-            " part-way through it"
-        )
-    return None
 
 
 def _same(given: Any, fixed: Any) -> bool:
@@ -233,6 +181,10 @@ class Manifest(_Strict):
     tile_overlap: int = Field(default=32, ge=0, le=256)
     # The weights' licence where a user must know it (an upscaler's own, a ControlNet's).
     license: str | None = None
+    # A video model's frames (its family's rule, FamilyRow.frame_step) and default frames a
+    # second; an image model has neither.
+    frames: FrameRange | None = None
+    fps: int | None = Field(default=None, ge=1, le=MAX_FPS)
 
     @model_validator(mode="before")
     @classmethod
@@ -251,7 +203,8 @@ class Manifest(_Strict):
         if present:
             raise ValueError(f"{', '.join(present)}: {row.foreign_refusal()}")
         edit = "edit" in (data.get("modes") or ())
-        return {**row.fixed, "samplers": list(row.samplers_for(edit)), **data}
+        modes = list(VIDEO_MODES[:1] if row.video else TXT2IMG_ONLY)  # where the manifest is silent
+        return {"modes": modes, **row.fixed, "samplers": list(row.samplers_for(edit)), **data}
 
     @field_validator("samplers")
     @classmethod
@@ -290,6 +243,24 @@ class Manifest(_Strict):
                 f" ({', '.join(files)}): a path under KILN_MODELS_DIR or an absolute"
                 " one, or owner/repo/file on the hub"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _frames_of_a_video_model(self) -> Manifest:
+        """A video model names its frames, on its family's rule, and its fps; an image model
+        neither."""
+        row = self.family_row
+        if not row.video:
+            given = [name for name in ("frames", "fps") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: family {self.family} makes images")
+            return self
+        if self.frames is None or self.fps is None:
+            raise ValueError(f"frames and fps: a {self.family} manifest names both")
+        for which in ("default", "max"):
+            why = row.frames_refusal(getattr(self.frames, which))
+            if why is not None:
+                raise ValueError(f"frames.{which} {getattr(self.frames, which)}: {why}")
         return self
 
     @field_validator("components")

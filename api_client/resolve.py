@@ -11,15 +11,22 @@ from api_client.controls import resolve_controls
 from api_client.errors import Problem, RequestRejected, short
 from api_client.families import families_with
 from api_client.loras import resolve_loras
-from api_client.manifest import DEFAULT_STRENGTH, Manifest, partway_refusal
+from api_client.manifest import DEFAULT_STRENGTH, Manifest
 from api_client.references import resolve_reference
 from api_client.schema import (
+    IMAGE_FORMATS,
+    MAX_FPS,
     MAX_IMAGES,
     MAX_PROMPT_CHARS,
     MAX_SEED,
+    VIDEO_FORMATS,
+    VIDEO_MODES,
     HiresRequest,
+    Mode,
+    OutputFormat,
     RenderRequest,
 )
+from api_client.step_caches import partway_refusal
 
 
 def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest:
@@ -90,6 +97,7 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
         request.reference, manifest.ip_adapter, manifest.id, manifest.family, mode, problems
     )
     hires = _hires(request, manifest, mode, (width, height), problems)
+    frames, fps, output_format = _video(request, manifest, problems)
     problems += _sampler_problems(request, manifest, mode)
     if problems:
         raise RequestRejected(problems, model=manifest.id)
@@ -108,6 +116,9 @@ def resolve_request(request: RenderRequest, manifest: Manifest) -> RenderRequest
             "width": width,
             "height": height,
             "seed": seed,
+            "frames": frames,
+            "fps": fps,
+            "output_format": output_format,
         }
     )
 
@@ -121,13 +132,19 @@ def _mode(
     from api_client.inputs import InputRefused, parse_ref
 
     image, mask = request.image, request.mask
-    # An edit model's image is an edit's: it serves no img2img.
-    given = "edit" if "edit" in manifest.modes else "img2img"
-    mode = request.mode or ("inpaint" if mask else given if image else "txt2img")
+    # An edit model's image is an edit's: it serves no img2img; a video model's, a first frame.
+    video = manifest.family_row.video
+    given = "edit" if "edit" in manifest.modes else "img2video" if video else "img2img"
+    mode = request.mode or ("inpaint" if mask else given if image else _from_prompt(manifest))
     if mode not in manifest.modes:
         rule = f"must be one of {', '.join(manifest.modes)} (manifest {manifest.id}'s modes)"
         problems.append(Problem("mode", mode, rule))
-    needs = {"img2img": ("image",), "inpaint": ("image", "mask"), "edit": ("image",)}.get(mode, ())
+    needs = {
+        "img2img": ("image",),
+        "inpaint": ("image", "mask"),
+        "edit": ("image",),
+        "img2video": ("image",),
+    }.get(mode, ())
     for field, value in (("image", image), ("mask", mask)):
         if value is None and field in needs:
             problems.append(
@@ -142,8 +159,9 @@ def _mode(
                 parse_ref(value, field)
             except InputRefused as exc:
                 problems.append(exc.problem)
-    if mode in ("txt2img", "edit"):
-        # The edit pipelines denoise from noise with the image as context: nothing to re-noise.
+    if mode in ("txt2img", "edit", *VIDEO_MODES):
+        # The edit and video pipelines denoise from noise with the image as context (img2video's
+        # is its first frame): nothing to re-noise.
         if request.strength is not None:
             problems.append(Problem("strength", request.strength, f"mode {mode} takes none"))
         return mode, None
@@ -154,6 +172,48 @@ def _mode(
         rule = f"with {steps} steps re-noises {steps * strength:g} of them; needs at least 1"
         problems.append(Problem("strength", strength, rule))
     return mode, float(strength)
+
+
+def _from_prompt(manifest: Manifest) -> Mode:
+    return "txt2video" if manifest.family_row.video else "txt2img"
+
+
+def _video(
+    request: RenderRequest, manifest: Manifest, problems: list[Problem]
+) -> tuple[int | None, int | None, OutputFormat]:
+    """A video model's frames, fps and container (mp4 unless the request names one); an image
+    model's format. A field of the other kind is refused, naming it."""
+    row, fmt = manifest.family_row, request.output_format
+    if not row.video:
+        for field in ("frames", "fps"):
+            if getattr(request, field) is not None:
+                why = f"model {manifest.id} makes images; {field} is a video model's"
+                problems.append(Problem(field, getattr(request, field), why))
+        if fmt not in IMAGE_FORMATS:
+            rule = f"model {manifest.id} makes images: {', '.join(IMAGE_FORMATS)}"
+            problems.append(Problem("output_format", fmt, rule))
+        return None, None, fmt
+    assert manifest.frames is not None and manifest.fps is not None  # the manifest's rule
+    frames = manifest.frames.default if request.frames is None else request.frames
+    off_rule = row.frames_refusal(frames)
+    if off_rule is not None:
+        problems.append(Problem("frames", frames, off_rule))
+    elif not 1 <= frames <= manifest.frames.max:
+        problems.append(
+            Problem("frames", frames, f"must be at most {manifest.frames.max} (manifest max)")
+        )
+    fps = manifest.fps if request.fps is None else request.fps
+    if not 1 <= fps <= MAX_FPS:
+        problems.append(Problem("fps", fps, f"must be between 1 and {MAX_FPS}"))
+    if "output_format" not in request.model_fields_set:
+        fmt = "mp4"
+    elif fmt not in VIDEO_FORMATS:
+        rule = f"model {manifest.id} makes videos: {', '.join(VIDEO_FORMATS)}"
+        problems.append(Problem("output_format", fmt, rule))
+    if request.num_images != 1:
+        why = f"model {manifest.id} makes one video a job; submit one job a video"
+        problems.append(Problem("num_images", request.num_images, why))
+    return frames, fps, fmt
 
 
 MAX_HIRES_SCALE = 4.0

@@ -13,7 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from api_client.errors import Problem, RequestRejected, short
 from api_client.samplers import Sampler, Sigmas
 
-OutputFormat = Literal["png", "webp", "jpeg"]
+# A file's format: an image's png, webp or jpeg; a video's mp4 (H.264), webm (VP9) or webp
+# (animated).
+OutputFormat = Literal["png", "webp", "jpeg", "mp4", "webm"]
+IMAGE_FORMATS: tuple[OutputFormat, ...] = ("png", "webp", "jpeg")
+VIDEO_FORMATS: tuple[OutputFormat, ...] = ("mp4", "webm", "webp")
 PHASES: tuple[str, ...] = (
     "queue_wait",
     "load",
@@ -22,19 +26,28 @@ PHASES: tuple[str, ...] = (
     "decode",
     "upscale",
     "image_encode",
+    "video_encode",
     "save",
     "total",
 )
 # A phase's column header where tables are narrow (`kiln top`, `kiln timings`, `kiln submit`).
 PHASE_HEADERS: dict[str, str] = {
-    p: {"queue_wait": "wait", "text_encode": "text", "image_encode": "encode"}.get(p, p)
+    p: {
+        "queue_wait": "wait",
+        "text_encode": "text",
+        "image_encode": "encode",
+        "video_encode": "video",
+    }.get(p, p)
     for p in PHASES
 }
 # What a request asks of its model: from a prompt alone, from an input image, into a mask's
 # white area of one, or an instruction edit (FLUX.1 Kontext, Qwen-Image-Edit; not served yet).
-# upscale: an upscaler manifest's one mode, an image made its scale times larger.
-Mode = Literal["txt2img", "img2img", "inpaint", "edit", "upscale"]
+# upscale: an upscaler manifest's one mode, an image made its scale times larger. txt2video and
+# img2video: a video model's, from a prompt alone or from its first frame.
+Mode = Literal["txt2img", "img2img", "inpaint", "edit", "upscale", "txt2video", "img2video"]
 MODES: tuple[Mode, ...] = get_args(Mode)
+VIDEO_MODES: tuple[Mode, ...] = ("txt2video", "img2video")
+MAX_FPS = 60
 # The memory ladder's rungs, best first: declared here once, for the worker and the client.
 # partial: as many denoiser blocks resident as fit, the rest streamed (worker/partial.py).
 Rung = Literal["full", "partial", "model_offload", "group_offload"]
@@ -137,6 +150,11 @@ class RenderRequest(BaseModel):
     sampler: Sampler | None = None
     sigmas: Sigmas | None = None
     num_images: int = 1
+    # A video model's frames (its family's rule: wan 4k+1, ltx 8k+1) and frames a second; None:
+    # the manifest's.
+    frames: int | None = None
+    fps: int | None = None
+    # png unless said; a video model's default is mp4 (api_client.resolve).
     output_format: OutputFormat = "png"
     # TAESD previews while denoising, for a client that shows them (the model's manifest names
     # taesd weights); off by default: nobody watching, nothing drawn.
@@ -225,6 +243,8 @@ LATER_FIELDS = (
     "controls",
     "hires",
     "reference",
+    "frames",
+    "fps",
 )
 
 
@@ -256,6 +276,22 @@ class ImageFile(BaseModel):
     height: int
     format: OutputFormat
     sha256: str
+
+
+class VideoFile(BaseModel):
+    """One video of a result, as ImageFile is one image, with its frames, frames a second and
+    seconds of playback."""
+
+    path: str | None = None
+    uri: str | None = None
+    url: str | None = None
+    width: int
+    height: int
+    frames: int
+    fps: int
+    format: OutputFormat
+    sha256: str
+    duration_s: float
 
 
 class Attempt(BaseModel):
@@ -331,6 +367,7 @@ class Timings(BaseModel):
     decode: float = 0.0
     upscale: float = 0.0  # an upscaler's pass (mode upscale, a hires pass's upscaler)
     image_encode: float = 0.0
+    video_encode: float = 0.0  # frames into the video's container (0 for images)
     save: float = 0.0
     total: float = 0.0
 
@@ -340,6 +377,9 @@ class RenderResult(BaseModel):
     model: str
     images: list[ImageFile]
     seed: int
+    videos: list[VideoFile] = Field(default_factory=list)  # a video model's ([] for images)
+    frames: int | None = None  # a video's frames and frames a second
+    fps: int | None = None
     # The request's sampler and sigmas; None: the manifest's scheduler, at its own sigmas.
     sampler: Sampler | None = None
     sigmas: Sigmas | None = None

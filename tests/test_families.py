@@ -123,7 +123,8 @@ def test_every_family_has_one_row_and_every_pipeline_family_its_spec() -> None:
     assert set(SPECS) == pipelines
     for name, spec in SPECS.items():
         row = FAMILIES[name]
-        derived = {"txt2img", *spec.modes, *(["edit"] if spec.edit is not None else [])}
+        resident = "txt2video" if row.video else "txt2img"  # the resident pipeline's mode
+        derived = {resident, *spec.modes, *(["edit"] if spec.edit is not None else [])}
         assert set(row.modes) == derived, name
         assert bool(row.edit_modes) == (spec.edit is not None), name
         rule = row.control_rule
@@ -153,7 +154,15 @@ def test_a_family_s_differences_are_its_rows_attributes() -> None:
     assert upscaler.weights_files and not sd15.weights_files
     assert upscaler.tiles and not sd15.tiles
     assert "steps" in upscaler.foreign and "scale" in sd15.foreign
-    assert [n for n, r in FAMILIES.items() if r.packed_latents] == ["flux", "flux2", "qwenimage"]
+    packed = ["flux", "flux2", "qwenimage", "ltx"]
+    assert [n for n, r in FAMILIES.items() if r.packed_latents] == packed
+    # A video family's frame rule is its row's: its VAE's compression in time, plus one.
+    wan, ltx = FAMILIES["wan"], FAMILIES["ltx"]
+    assert (wan.frame_step, ltx.frame_step, sd15.frame_step) == (4, 8, 0)
+    assert [n for n in (1, 5, 9, 17, 33) if wan.frames_refusal(n) is None] == [1, 5, 9, 17, 33]
+    assert [n for n in (1, 9, 17, 25, 33) if ltx.frames_refusal(n) is None] == [1, 9, 17, 25, 33]
+    assert "4k+1" in str(wan.frames_refusal(8)) and "8k+1" in str(ltx.frames_refusal(13))
+    assert sd15.frames_refusal(10) is None  # an image family has no frame rule: resolve refuses
 
 
 def test_no_api_client_module_passes_600_lines() -> None:

@@ -16,9 +16,10 @@ from pydantic import ValidationError
 from redis import Redis
 
 from api_client import RequestRejected
-from api_client.manifest import FirstBlockCache, Manifest
+from api_client.manifest import Manifest
 from api_client.resolve import resolve_request
 from api_client.schema import RenderRequest, RenderResult
+from api_client.step_caches import FirstBlockCache
 from tests.conftest import MANIFESTS, ROOT
 from tests.support.inprocess import burst, client_for, make_renderer
 from tests.support.records import records

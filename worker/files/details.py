@@ -119,6 +119,9 @@ class ImageDetails(BaseModel):
     reference: ReferenceReport | None = None
     # A hires pass (its defaults filled in): the image is its scale of width x height.
     hires: HiresRequest | None = None
+    # A video's frames and frames a second (a video model's; None for an image).
+    frames: int | None = None
+    fps: int | None = None
 
     def replay_request(self) -> RenderRequest:
         """The request that renders this image again: the same batch (image `index` of it),
@@ -175,7 +178,15 @@ class ImageDetails(BaseModel):
             hires=self.hires,
             sampler=self.sampler,
             sigmas=self.sigmas,
+            frames=self.frames,
+            fps=self.fps,
         )
+
+    def document(self) -> str:
+        """The JSON a file carries; an image's leaves out the video fields, so its bytes are
+        what they were before videos."""
+        video = {"frames", "fps"} if self.frames is None else set()
+        return self.model_dump_json(exclude=video)
 
 
 def image_details(
@@ -225,6 +236,8 @@ def image_details(
         controls=[ControlReport.of(choice) for choice in request.controls or []],
         reference=ReferenceReport.of(request.reference),
         hires=request.hires,
+        frames=request.frames,
+        fps=request.fps,
     )
 
 
@@ -251,7 +264,7 @@ def kiln_version() -> str:
 
 def save_options(details: ImageDetails, fmt: OutputFormat) -> dict[str, Any]:
     """Pillow save() arguments that write details into an image of this format."""
-    document = details.model_dump_json()
+    document = details.document()
     software = f"kiln {details.kiln}"
     if fmt == "png":
         info = PngInfo()

@@ -23,6 +23,7 @@ from api_client.schema import (
     RenderRequest,
     RenderResult,
     StepCacheReport,
+    VideoFile,
 )
 from worker.errors import JobDeadlineExceeded, OtherRequest, OutputError, StoreUnavailable
 from worker.files.details import ImageDetails, InputDigest, image_details, save_options
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
 _PIL_FORMAT = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
-_EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+_EXTENSION = {"png": "png", "webp": "webp", "jpeg": "jpg", "mp4": "mp4", "webm": "webm"}
 # OSErrors that heal on their own: an output directory on a network mount that timed out or
 # lost its server. A full disk (ENOSPC, EDQUOT) does not heal within a few retries (it waits for
 # an operator) and re-rendering the job to hit it again only burns device time, so it fails the
@@ -58,11 +59,23 @@ _HEALING_ERRNOS = frozenset(
 
 @dataclass(frozen=True)
 class EncodedImage:
+    """One file of a job's result, encoded: an image, or a video (with its frames and fps)."""
+
     data: bytes
     width: int
     height: int
     format: OutputFormat
     sha256: str
+    frames: int | None = None  # a video's
+    fps: int | None = None
+
+    def as_video(self, stored: ImageFile) -> VideoFile:
+        """This video's entry in a result, from the store's entry for its file."""
+        assert self.frames is not None and self.fps is not None
+        duration_s = round(self.frames / self.fps, 6)
+        return VideoFile(
+            **stored.model_dump(), frames=self.frames, fps=self.fps, duration_s=duration_s
+        )
 
 
 def encode_image(image: Image.Image, fmt: OutputFormat, details: ImageDetails) -> EncodedImage:
@@ -92,6 +105,27 @@ def encode_images(
         encode_image(image, request.output_format, about)
         for image, about in zip(images, details, strict=True)
     ]
+
+
+def encode_video(
+    frames: list[Image.Image],
+    request: RenderRequest,
+    loaded: Rendered,
+    inputs: list[InputDigest],
+    device: str,
+    step_cache: StepCacheReport | None = None,
+) -> list[EncodedImage]:
+    """A video job's one file: its frames in the request's container at its fps, with the
+    details that rendered it inside (worker.files.video says where each container keeps them)."""
+    from worker.files import video
+
+    assert request.fps is not None and request.output_format in video.VIDEO_FORMATS
+    details = image_details(request, loaded, 0, inputs, device, step_cache)
+    fmt = request.output_format
+    data = video.encode(frames, request.fps, fmt, details.document())
+    width, height = frames[0].size
+    digest = hashlib.sha256(data).hexdigest()
+    return [EncodedImage(data, width, height, fmt, digest, frames=len(frames), fps=request.fps)]
 
 
 def extension(fmt: OutputFormat) -> str:

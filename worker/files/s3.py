@@ -24,7 +24,13 @@ from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
-_CONTENT_TYPE = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
+_CONTENT_TYPE = {
+    "png": "image/png",
+    "webp": "image/webp",
+    "jpeg": "image/jpeg",
+    "mp4": "video/mp4",
+    "webm": "video/webm",
+}
 # S3 answers that heal: botocore's own transient and throttling codes and statuses (its standard
 # retry mode retries these first). 501 NotImplemented does not heal.
 _HEALING_STATUS = frozenset({429, 500, 502, 503, 504})

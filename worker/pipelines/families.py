@@ -99,6 +99,8 @@ class FamilySpec:
     modes: dict[str, str] = field(default_factory=dict)
     # (width, height) -> pipeline call arguments of this family's own (FLUX.1 Kontext's size).
     call: Callable[[int, int], dict[str, Any]] = lambda _w, _h: {}
+    # (frames, fps) -> a video family's call arguments (worker.pipelines.video).
+    video_call: Callable[[int, int], dict[str, Any]] = lambda _f, _fps: {}
     # Modules the pipeline needs beyond diffusers' own dependencies, checked when a worker starts.
     requires: tuple[str, ...] = ()
     # Components the pipeline is loaded without (passed as None) and whose files are never
@@ -379,6 +381,31 @@ def _with_edit(spec: FamilySpec, **edit: Any) -> FamilySpec:
     return replace(spec, edit=replace(spec, modes={}, control=None, **{"tiny": None, **edit}))
 
 
+def _video_spec(pipeline: str, img2video: str, name: str) -> FamilySpec:
+    """A video family: its text encode, latent decode and call arguments are worker.pipelines.
+    video's <what>_<name> functions, imported at a render (they need torch)."""
+    return FamilySpec(
+        pipeline,
+        _in_video(f"encode_{name}"),
+        _in_video(f"decode_{name}"),
+        fp16_safe=False,
+        denoiser="transformer",
+        modes={"img2video": img2video},
+        video_call=_in_video(f"call_{name}"),
+        tiny=TinyModel(name, f"{name}.{name}"),
+    )
+
+
+def _in_video(function: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        from worker.pipelines import video
+
+        return getattr(video, function)(*args)
+
+    call.__name__ = function
+    return call
+
+
 # Adding a family is one entry here with its pipeline classes and its tiny model's builder
 # (worker.pipelines.tiny), its row in api_client.families, and its tests.
 SPECS: dict[str, FamilySpec] = {
@@ -473,6 +500,8 @@ SPECS: dict[str, FamilySpec] = {
         control=ControlFamily("ZImageControlNetModel", {"txt2img": "ZImageControlNetPipeline"}),
         tiny=TinyModel("zimage", "zimage.zimage", controlnets={"canny": 67}),
     ),
+    "wan": _video_spec("WanPipeline", "WanImageToVideoPipeline", "wan"),
+    "ltx": _video_spec("LTXPipeline", "LTXImageToVideoPipeline", "ltx"),
 }
 # The tiny models of the families that are one weights file, not a pipeline (no FamilySpec):
 # the upscaler's ESRGAN file, which spandrel reads.

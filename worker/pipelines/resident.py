@@ -167,7 +167,7 @@ class LoadedPipeline:
         for the next job of that mode. Not diffusers' from_pipe: it ends by
         casting every module (.to(dtype), fp32 unless told), which torchao's quantized weights
         refuse (Int8Tensor has no aten.to) and which would undo a bf16 load."""
-        if mode in ("txt2img", "edit"):
+        if mode in ("txt2img", "edit", "txt2video"):
             return self.pipe
         derived = self.mode_pipes.get(mode)
         if derived is None:

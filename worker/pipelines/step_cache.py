@@ -34,8 +34,9 @@ from typing import Any, Literal
 
 import torch
 
-from api_client.manifest import Manifest, StepCacheSpec, partway_refusal
+from api_client.manifest import Manifest
 from api_client.schema import RenderRequest, StepCacheReport
+from api_client.step_caches import StepCacheSpec, partway_refusal
 from worker.errors import PinRefused
 from worker.pipelines.switches import switch
 from worker.settings import Settings

@@ -88,7 +88,8 @@ def run_pass(
         faults.check("denoise", loaded.rung)
         call = {**p.arguments(), "callback_on_step_end": p.on_step}
         with engaged(), sampler_of(job, loaded, p.pipe):
-            latents = p.pipe(**_accepted(p.pipe, call)).images
+            # The output's first field: images, or a video pipeline's frames.
+            latents = p.pipe(**_accepted(p.pipe, call))[0]
         if p.pipe is not loaded.pipe:
             # Offload hooks belong to the resident pipeline: it moves every module back off the
             # device and re-arms them, as its own call does at the end (a no-op at full).
@@ -147,6 +148,8 @@ def first_pass(
             "output_type": "latent",
             **family.call(*size),
         }
+        if request.frames is not None and request.fps is not None:  # a video model's
+            call.update(family.video_call(request.frames, request.fps))
         call.update(inputs.sources)
         if request.strength is not None:  # img2img and inpaint; edit has none
             call["strength"] = request.strength

@@ -146,12 +146,19 @@ class Renderer:
                 # 5-7. A rung, a load, a generate under the ladder's out-of-memory rules.
                 images, loaded = self._diffuse(job)
             _checkpoint(ctx, "after decode")
-            # 8. Encode, with the generation details inside each file; then confirm this run
-            #    still holds the job (a stalled worker's lease may have lapsed) before writing.
-            with watch.phase("image_encode"):
-                device = self.info.torch_device
-                encoded = output.encode_images(
-                    images, request, loaded, inputs.digests, device, record.step_cache
+            # 8. Encode (a video model's frames into one video), with the generation details
+            #    inside each file; then confirm this run still holds the job (a stalled worker's
+            #    lease may have lapsed) before writing.
+            video = manifest.family_row.video
+            with watch.phase("video_encode" if video else "image_encode"):
+                encode = output.encode_video if video else output.encode_images
+                encoded = encode(
+                    images,
+                    request,
+                    loaded,
+                    inputs.digests,
+                    self.info.torch_device,
+                    record.step_cache,
                 )
             ctx.confirm()
             # 9. Save the images, then result.json last, as the mark of a complete job.
@@ -426,7 +433,10 @@ class Renderer:
         crash_point("save")
         _checkpoint(ctx, "after saving its images")
         record.timings = job.watch.timings(ctx.queue_wait_s)
-        result = record.result(files, job.started_at, job.digest)
+        stored = list(zip(files, encoded, strict=True))
+        images = [entry for entry, made in stored if not made.frames]
+        videos = [made.as_video(entry) for entry, made in stored if made.frames]
+        result = record.result(images, job.started_at, job.digest, videos)
         self.store.write_result(result)
         return result
 

@@ -31,6 +31,7 @@ from api_client.schema import (
     StepCacheReport,
     TimingFit,
     Timings,
+    VideoFile,
 )
 from worker.pipelines import samplers
 
@@ -52,6 +53,8 @@ REQUEST_FIELDS = (
     "strength",
     "sampler",
     "sigmas",
+    "frames",
+    "fps",
 )
 
 
@@ -128,6 +131,8 @@ class TimingRecord(BaseModel):
     width: int | None = None
     height: int | None = None
     num_images: int | None = None
+    frames: int | None = None  # a video's frames and frames a second
+    fps: int | None = None
     peak_memory_bytes: int | None = None
     rung: str | None = None
     rung_reason: str | None = None
@@ -195,7 +200,11 @@ class TimingRecord(BaseModel):
             self.scheduler = samplers.class_name(loaded.manifest.family_row, self.sampler)
 
     def result(
-        self, images: list[ImageFile], started_at: datetime, request_sha256: str
+        self,
+        images: list[ImageFile],
+        started_at: datetime,
+        request_sha256: str,
+        videos: list[VideoFile] | None = None,
     ) -> RenderResult:
         """The finished job's result: every field it shares with the record is the record's
         (RESULT_FIELDS), beside its files and clock."""
@@ -203,6 +212,7 @@ class TimingRecord(BaseModel):
         return RenderResult(
             **shared,
             images=images,
+            videos=videos or [],
             started_at=started_at,
             finished_at=datetime.now(timezone.utc),
             request_sha256=request_sha256,
