@@ -17,6 +17,8 @@ T5_MAX_LENGTH: Final = 256
 # FLUX.1's tokenizer_2 and the Qwen tokenizers record these as their model_max_length.
 FLUX_T5_MAX_LENGTH: Final = 512
 QWEN_MAX_LENGTH: Final = 131072
+# umT5-XXL's prompt length in Wan: WanPipeline pads every prompt to max_sequence_length=512.
+UMT5_MAX_LENGTH: Final = 512
 
 # The GPT-2 byte alphabet: each of the 256 bytes as one printable symbol. Sorting by code point
 # gives GPT-2's own id order ("!" is 0, "Ġ" (space) is 220), so the ids read like a real vocab's.
@@ -64,6 +66,13 @@ def t5_tokenizer(model_max_length: int = T5_MAX_LENGTH) -> T5Tokenizer:
     known = {p for p, _ in pieces}
     pieces += [(f"▁{w}", -4.0) for w in dict.fromkeys(_T5_WORDS.split()) if f"▁{w}" not in known]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def umt5_tokenizer() -> T5Tokenizer:
+    """umT5-XXL's tokenizer (Wan's): a SentencePiece unigram with T5's special ids (<pad>=0,
+    </s>=1, as UMT5Config's pad_token_id and eos_token_id), so the tiny T5 vocab serves; only the
+    length is umT5's in Wan."""
+    return t5_tokenizer(UMT5_MAX_LENGTH)
 
 
 # The specials every Qwen2 / Qwen3 vocab opens its added tokens with, in the real ids' order.
