@@ -10,9 +10,17 @@ const INPUT_MODES = {
   inpaint: ["image", "mask"],
   edit: ["image"],
   upscale: ["image"], // an upscaler's one mode: the image, no prompt
+  img2video: ["image"], // the first frame, resized to the video's size
 };
 const STRENGTH_MODES = new Set(["img2img", "inpaint"]); // edit denoises from noise: no strength
 const UPLOAD_TYPES = new Set(["image/png", "image/jpeg", "image/webp"]);
+// A video family makes frame_step * k + 1 frames (api_client/families.py, FamilyRow.frame_step).
+// /v1/models does not say the step, so the page keeps it here, the one place it does; a listing
+// that carries frame_step (ModelView) wins over this table.
+const FRAME_STEPS = { wan: 4, ltx: 8 };
+// The containers a model's kind makes (schema.py IMAGE_FORMATS, VIDEO_FORMATS): webp is an
+// animated one for a video model.
+const FORMATS = { image: ["png", "webp", "jpeg"], video: ["mp4", "webm", "webp"] };
 // Each EventSource holds one of the browser's six HTTP/1.1 connections to this host: watch a
 // few jobs live and poll the rest, so fetches never queue behind open streams.
 const MAX_STREAMS = 3;
@@ -171,6 +179,15 @@ function modelHint() {
   hint.textContent = parts.join(" · ");
 }
 
+// A video model's manifest names its frames {default, max} and fps; an image model's names neither.
+function isVideo(manifest) {
+  return Boolean(manifest && manifest.frames);
+}
+
+function frameStep(view) {
+  return view.frame_step || FRAME_STEPS[view.manifest.family] || 1;
+}
+
 function setNumber(input, min, max, value) {
   input.min = String(min);
   input.max = String(max);
@@ -198,9 +215,12 @@ function applyManifest() {
   );
   syncSize();
 
+  const video = isVideo(manifest);
+  applyVideo(view, video);
+
   // The samplers the model takes (its manifest's, its family's where it names none).
   const samplers = manifest.samplers || [];
-  document.getElementById("sampler-field").hidden = !samplers.length;
+  document.getElementById("sampler-field").hidden = !samplers.length || video;
   const own = manifest.scheduler ? `its own (${manifest.scheduler})` : "its own";
   f.sampler.replaceChildren(
     el("option", { value: "", text: own }),
@@ -228,9 +248,10 @@ function applyManifest() {
     el("option", { value: "", text: "none" }),
     ...controls.map((name) => el("option", { value: name, text: name })),
   );
-  document.getElementById("controls-field").dataset.offered = controls.length ? "yes" : "";
+  const offered = (yes) => (yes && !video ? "yes" : "");
+  document.getElementById("controls-field").dataset.offered = offered(controls.length);
   // A reference image where the manifest names an IP-Adapter.
-  document.getElementById("reference-field").dataset.offered = manifest.ip_adapter ? "yes" : "";
+  document.getElementById("reference-field").dataset.offered = offered(manifest.ip_adapter);
   const upscalers = [...state.models.values()]
     .filter((other) => other.manifest.family === "upscaler")
     .map((other) => other.manifest.id);
@@ -247,6 +268,33 @@ function applyManifest() {
     : "(this model names no TAESD)";
   updateModeFields();
   modelHint();
+}
+
+// A video model's form: frames on its family's rule (the browser refuses an off-rule count), its
+// fps, the video containers, and one video a job (no number of images). An image model's: none
+// of the video fields (disabled, so the browser neither checks nor sends them) and the image
+// formats. The format picked is kept while the kind of model stays the same.
+function applyVideo(view, video) {
+  const f = form.elements;
+  const manifest = view.manifest;
+  document.getElementById("video-field").hidden = !video;
+  document.getElementById("num_images-field").hidden = video;
+  f.frames.disabled = f.fps.disabled = !video;
+  f.num_images.disabled = video;
+  if (video) {
+    const step = frameStep(view);
+    setNumber(f.frames, 1, manifest.frames.max, manifest.frames.default);
+    f.frames.step = String(step);
+    document.getElementById("frames-hint").textContent =
+      `${step}k+1: 1, ${step + 1}, ${2 * step + 1}, … up to ${manifest.frames.max}`;
+    f.fps.value = String(manifest.fps);
+  }
+  const kind = video ? "video" : "image";
+  const select = f.output_format;
+  const kept = select.dataset.kind === kind ? select.value : "";
+  select.replaceChildren(...FORMATS[kind].map((name) => el("option", { value: name, text: name })));
+  select.value = FORMATS[kind].includes(kept) ? kept : FORMATS[kind][0];
+  select.dataset.kind = kind;
 }
 
 // The sigma schedules the chosen sampler takes on the model (the listing's sigmas); none without
@@ -299,6 +347,11 @@ function updateModeFields() {
   document.getElementById("image-field").hidden = !inputs.includes("image");
   document.getElementById("mask-field").hidden = !inputs.includes("mask");
   document.getElementById("strength-field").hidden = !STRENGTH_MODES.has(mode);
+  const firstFrame = mode === "img2video";
+  document.getElementById("image-label").textContent = firstFrame ? "First frame" : "Input image";
+  document.getElementById("image-hint").textContent = firstFrame
+    ? "(resized to the video's size)"
+    : "";
   // An upscale is the image alone: no prompt, sampling, size or seed (the image's size).
   const upscale = mode === "upscale";
   for (const part of form.querySelectorAll(".diffusion")) part.hidden = upscale;
@@ -468,9 +521,10 @@ async function buildRequest() {
   const request = { model: f.model.value };
   if (!upscale) request.prompt = f.prompt.value;
   if (f.negative_prompt.value && !upscale) request.negative_prompt = f.negative_prompt.value;
-  const numbers = upscale ? ["num_images"] : ["steps", "guidance", "width", "height", "seed"];
-  for (const name of upscale ? numbers : [...numbers, "num_images"]) {
-    const value = number(f[name]);
+  const numbers = upscale ? [] : ["steps", "guidance", "width", "height", "seed"];
+  // Disabled: not this model's (a video model's frames and fps, an image model's num_images).
+  for (const name of [...numbers, "num_images", "frames", "fps"]) {
+    const value = f[name].disabled ? undefined : number(f[name]);
     if (value !== undefined) request[name] = value;
   }
   if (!document.getElementById("true_cfg-field").hidden && f.true_cfg.value !== "") {
@@ -714,8 +768,11 @@ function renderJob(job) {
     bar.value = progress.steps ? progress.step / progress.steps : 0;
   }
   const images = card.querySelector(".job-images");
-  if (view.result && view.result.images.length && !images.childElementCount) {
-    images.append(...view.result.images.map((image, n) => finalImage(view, image, n)));
+  if (view.result && !images.childElementCount) {
+    images.append(
+      ...view.result.images.map((image, n) => finalImage(view, image, n)),
+      ...(view.result.videos || []).map((video, n) => finalVideo(view, video, n)),
+    );
   }
   const error = card.querySelector(".job-error");
   error.hidden = !view.error;
@@ -730,11 +787,15 @@ function renderJob(job) {
   card.querySelector(".to-form").hidden = running || !(job.request || view.result);
 }
 
-function imageUrl(id, image, n) {
+function fileUrl(id, file, n, kind) {
   // This gateway's path (never a protocol-relative //host) or S3's presigned https URL.
-  const url = image.url || "";
+  const url = file.url || "";
   const ours = /^\/(?!\/)/.test(url) || url.startsWith(`${location.origin}/`);
-  return ours || url.startsWith("https://") ? url : jobUrl(id, `/images/${n}`);
+  return ours || url.startsWith("https://") ? url : jobUrl(id, `/${kind}/${n}`);
+}
+
+function imageUrl(id, image, n) {
+  return fileUrl(id, image, n, "images");
 }
 
 function finalImage(view, image, n) {
@@ -750,6 +811,32 @@ function finalImage(view, image, n) {
   return el("a", { href: url, target: "_blank", rel: "noopener" }, img);
 }
 
+// A finished video plays in the card, looped and muted (these have no sound), when asked: a card
+// never plays by itself. An animated webp plays in an <img>, as a link to its file as images are
+// (a <video> is not wrapped in one: a click on its controls would follow the link).
+function finalVideo(view, video, n) {
+  const url = fileUrl(view.id, video, n, "videos");
+  const label = `video ${n + 1} of job ${view.id}`;
+  const size = { width: video.width, height: video.height };
+  if (video.format === "webp") {
+    const img = el("img", { src: url, "data-job-id": view.id, alt: label, ...size });
+    return el("a", { href: url, target: "_blank", rel: "noopener" }, img);
+  }
+  const player = el("video", {
+    src: url,
+    "data-job-id": view.id,
+    "aria-label": label,
+    controls: true,
+    loop: true,
+    muted: true,
+    playsinline: true,
+    preload: "auto", // its first frame shown, not a blank box: a few MB at most
+    ...size,
+  });
+  player.muted = true; // the attribute set after creation is only defaultMuted
+  return player;
+}
+
 function detailRows(result) {
   const rows = [
     ["model", result.model],
@@ -758,6 +845,7 @@ function detailRows(result) {
     ["sampler", [result.sampler || "its own", result.sigmas].filter(Boolean).join(" · ")],
     ["guidance", result.guidance],
     ["size", `${result.width}×${result.height}`],
+    ...(result.frames ? [["frames", `${result.frames} at ${result.fps} fps`]] : []),
     ["rung", result.rung],
     ["total", seconds(result.timings.total)],
     ["worker", result.worker],
@@ -920,6 +1008,7 @@ function fromResult(view) {
   const request = { model: result ? result.model : view.model };
   if (!result) return request;
   const shown = ["seed", "steps", "guidance", "width", "height", "true_cfg", "sampler", "sigmas"];
+  shown.push("frames", "fps"); // a video's; null on an image's result, so left out
   for (const name of shown) {
     if (result[name] !== null && result[name] !== undefined) request[name] = result[name];
   }
@@ -967,7 +1056,7 @@ function fillForm(request) {
   }
   updateModeFields();
   const fields = ["prompt", "negative_prompt", "steps", "guidance", "seed", "strength", "true_cfg"];
-  for (const name of [...fields, "num_images"]) {
+  for (const name of [...fields, "num_images", "frames", "fps"]) {
     if (request[name] !== undefined && request[name] !== null) f[name].value = String(request[name]);
   }
   if (request.priority) f.priority.value = request.priority;
@@ -1004,7 +1093,8 @@ function fillForm(request) {
 async function useAsInput(id) {
   const job = state.jobs.get(id);
   const manifest = currentModel() && currentModel().manifest;
-  const mode = manifest && ["img2img", "edit", "inpaint"].find((m) => manifest.modes.includes(m));
+  const modes = ["img2img", "edit", "inpaint", "img2video"];
+  const mode = manifest && modes.find((m) => manifest.modes.includes(m));
   if (!mode) {
     throw new HttpError(422, {
       title: "No input image",
