@@ -272,12 +272,29 @@ def save_options(details: ImageDetails, fmt: OutputFormat) -> dict[str, Any]:
         info.add_text("parameters", parameters_text(details))
         info.add_text("Software", software)
         return {"pnginfo": info}
+    return {"exif": exif_with_details(document, software)}
+
+
+def exif_with_details(document: str, software: str | None = None) -> bytes:
+    """An EXIF block with the details JSON in UserComment (character code UNICODE: UTF-16 in the
+    block's byte order), as a WebP or JPEG carries it, still or animated (worker.files.video)."""
     exif = Image.Exif()
-    exif[ExifTags.Base.Software] = software
+    if software is not None:
+        exif[ExifTags.Base.Software] = software
     codec = "utf-16-le" if exif.endian == "<" else "utf-16-be"  # as Exif.tobytes() writes
-    comment = _UNICODE + document.encode(codec)
-    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = comment
-    return {"exif": exif.tobytes()}
+    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = _UNICODE + document.encode(codec)
+    return exif.tobytes()
+
+
+def details_from_exif(exif: Image.Exif) -> str | None:
+    """The details JSON in an EXIF UserComment of character code UNICODE; None when there is none.
+    UnicodeDecodeError for a comment that is not UTF-16."""
+    comment = exif.get_ifd(ExifTags.IFD.Exif).get(ExifTags.Base.UserComment)
+    if not isinstance(comment, bytes) or not comment.startswith(_UNICODE):
+        return None
+    body = comment[len(_UNICODE) :]
+    # The JSON opens with "{": its zero byte says the byte order, whatever the EXIF header says.
+    return body.decode("utf-16-be" if body[:1] == b"\x00" else "utf-16-le")
 
 
 def parameters_text(details: ImageDetails) -> str:
@@ -333,11 +350,34 @@ def read_details(path: Path) -> ImageDetails:
     # Pillow's words for a file that is missing, not an image, truncated, or of absurd size.
     broken = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
     try:
+        if _is_av_video(path):
+            return parse_details(_video_document(path), str(path))
         with Image.open(path) as image:
             document = _document(image, path)
     except broken as exc:
         raise CannotReplay(f"{path}: not an image kiln can read: {exc}") from None
     return parse_details(document, str(path))
+
+
+def _is_av_video(path: Path) -> bool:
+    """An MP4 (an ISO box "ftyp" at byte 4) or a WebM (EBML's magic): a video kiln wrote through
+    FFmpeg. An animated WebP is read as any WebP, by Pillow."""
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    return head[4:8] == b"ftyp" or head[:4] == b"\x1a\x45\xdf\xa3"
+
+
+def _video_document(path: Path) -> str:
+    """The JSON in a video's container metadata (worker.files.video), or CannotReplay."""
+    from worker.files import video
+
+    try:
+        document = video.read_details(path.read_bytes())
+    except ValueError as exc:  # worker.files.video's word for a file FFmpeg cannot read
+        raise CannotReplay(f"{path}: {exc}") from None
+    if document is None:
+        raise CannotReplay(f"{path}: carries no kiln details (no {DETAILS_KEY!r} metadata tag)")
+    return document
 
 
 def parse_details(document: str, where: str) -> ImageDetails:
@@ -396,16 +436,13 @@ def _document(image: Image.Image, path: Path) -> str:
             f"{path}: a {image.format} image carries no kiln details; kiln writes them into"
             " PNG, WebP and JPEG"
         )
-    comment = image.getexif().get_ifd(ExifTags.IFD.Exif).get(ExifTags.Base.UserComment)
-    if not isinstance(comment, bytes) or not comment.startswith(_UNICODE):
+    try:
+        document = details_from_exif(image.getexif())
+    except UnicodeDecodeError as exc:
+        raise CannotReplay(f"{path}: its EXIF UserComment is not UTF-16 text: {exc}") from None
+    if document is None:
         raise CannotReplay(
             f"{path}: carries no kiln details (no UNICODE EXIF UserComment in this"
             f" {image.format} file)"
         )
-    body = comment[len(_UNICODE) :]
-    # The JSON opens with "{": its zero byte says the byte order, whatever the EXIF header says.
-    codec = "utf-16-be" if body[:1] == b"\x00" else "utf-16-le"
-    try:
-        return body.decode(codec)
-    except UnicodeDecodeError as exc:
-        raise CannotReplay(f"{path}: its EXIF UserComment is not UTF-16 text: {exc}") from None
+    return document

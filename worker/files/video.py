@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
-from PIL import ExifTags, Image
+from PIL import Image
 
-from worker.files.details import DETAILS_KEY
+from worker.files.details import DETAILS_KEY, details_from_exif, exif_with_details
 
 if TYPE_CHECKING:
     import av.container
@@ -42,7 +42,6 @@ VideoFormat = Literal["mp4", "webm", "webp"]
 FfmpegCodec = Literal["libx264", "libvpx-vp9"]
 VIDEO_FORMATS: tuple[VideoFormat, ...] = get_args(VideoFormat)
 MAX_FPS = 120
-_UNICODE = b"UNICODE\x00"  # EXIF UserComment's 8-byte character code, as details.py writes it
 _WEBP_QUALITY = 90
 _WEBP_MAGIC = (b"RIFF", b"WEBP")  # bytes 0-4 and 8-12 of every WebP file
 
@@ -131,7 +130,7 @@ def read_details(data: bytes) -> str | None:
     """The details JSON inside a video kiln wrote; None when it carries none."""
     if _is_webp(data):
         with _webp(data) as image:
-            return _exif_document(image.getexif())
+            return details_from_exif(image.getexif())
     with _opened(data) as container:
         tags = {key.lower(): value for key, value in container.metadata.items()}
     return tags.get(DETAILS_KEY)
@@ -241,7 +240,7 @@ def _encode_webp(images: list[Image.Image], fps: int, details: str | None) -> by
         duration=durations,
         lossless=False,
         quality=_WEBP_QUALITY,
-        exif=b"" if details is None else _exif_bytes(details),
+        exif=b"" if details is None else exif_with_details(details),
     )
     return buffer.getvalue()
 
@@ -266,24 +265,6 @@ def _webp_durations_ms(data: bytes) -> list[int]:
             durations.append(int.from_bytes(data[offset + 20 : offset + 23], "little"))
         offset += 8 + size + size % 2
     return durations
-
-
-def _exif_bytes(document: str) -> bytes:
-    """An EXIF block with the JSON in UserComment, as details.save_options writes a still WebP's."""
-    exif = Image.Exif()
-    codec = "utf-16-le" if exif.endian == "<" else "utf-16-be"  # as Exif.tobytes() writes
-    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = _UNICODE + document.encode(codec)
-    return exif.tobytes()
-
-
-def _exif_document(exif: Image.Exif) -> str | None:
-    """The JSON in an EXIF UserComment of character code UNICODE; None when there is none."""
-    comment = exif.get_ifd(ExifTags.IFD.Exif).get(ExifTags.Base.UserComment)
-    if not isinstance(comment, bytes) or not comment.startswith(_UNICODE):
-        return None
-    body = comment[len(_UNICODE) :]
-    # The JSON opens with "{": its zero byte says the byte order, whatever the EXIF header says.
-    return body.decode("utf-16-be" if body[:1] == b"\x00" else "utf-16-le")
 
 
 def _is_webp(data: bytes) -> bool:
