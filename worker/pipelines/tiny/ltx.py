@@ -60,10 +60,11 @@ def _transformer() -> LTXVideoTransformer3DModel:
 
 
 def _ltx091_vae() -> AutoencoderKLLTXVideo:
-    """0.9.1's VAE at 1/16 of its channels: 4x4 pixel patches then three 2x spatio-temporal
-    levels (32x, 8x); a decoder of three levels that each double the width through a residual
-    2x upsampler (256, 512, 1024 in the real one; widths must halve down the decoder, or an up
-    block's channel-changing resnet gets an unembedded timestep)."""
+    """0.9.1's VAE with its levels and width ratios at a few channels a level (encoder 128, 256,
+    512, 512 and decoder 256, 512, 1024 in the real one): 4x4 pixel patches then three 2x
+    spatio-temporal levels (32x, 8x). Each decoder level's residual upsampler halves the width,
+    so the widths must double level by level, or an up block needs a channel-changing resnet,
+    which diffusers hands the raw (unembedded) timestep and fails."""
     vae = AutoencoderKLLTXVideo(
         in_channels=3,
         out_channels=3,
