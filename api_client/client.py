@@ -30,6 +30,7 @@ from api_client.schema import (
     JobEvent,
     RenderRequest,
     TimingFit,
+    VideoFile,
     WorkerState,
     request_payload,
 )
@@ -81,7 +82,7 @@ class ModelInfo:
 
 
 class KilnClient:
-    """Submit image jobs to kiln workers through Redis."""
+    """Submit image and video jobs to kiln workers through Redis."""
 
     def __init__(
         self,
@@ -244,8 +245,9 @@ class KilnClient:
         """Names of the webhook targets workers published (their URLs and secrets stay there)."""
         return {_text(name) for name in self.connection.smembers(keys.WEBHOOK_TARGETS_KEY)}
 
-    def fetch(self, image: ImageFile) -> bytes:
-        """One image's bytes from the local dir or S3, from any host; its sha256 is checked."""
+    def fetch(self, image: ImageFile | VideoFile) -> bytes:
+        """One image's or video's bytes from the local dir or S3, from any host; its sha256 is
+        checked. (The parameter keeps its name for callers that pass it by keyword.)"""
         return fetch_image(image)
 
     def queue_events(

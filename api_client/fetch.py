@@ -1,5 +1,6 @@
-"""Read a result's images from wherever the worker stored them, from any host: the presigned
-HTTPS url (no S3 credentials needed), a file:// uri or path, or s3:// with boto3 if installed."""
+"""Read a result's images and videos from wherever the worker stored them, from any host: the
+presigned HTTPS url (no S3 credentials needed), a file:// uri or path, or s3:// with boto3 if
+installed."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from urllib.parse import unquote, urlparse
 
 from api_client.errors import KilnError
 from api_client.redact import redact
-from api_client.schema import ImageFile
+from api_client.schema import ImageFile, VideoFile
 
 FETCH_TIMEOUT_S = 30.0
 
 
 class FetchFailed(KilnError):
-    """An image could not be read, or its bytes do not match the sha256 in the result."""
+    """A result's file could not be read, or its bytes do not match the sha256 in the result."""
 
 
-def fetch_image(image: ImageFile, timeout: float = FETCH_TIMEOUT_S) -> bytes:
-    """The image's bytes, checked against its sha256; FetchFailed naming where it looked."""
+def fetch_image(image: ImageFile | VideoFile, timeout: float = FETCH_TIMEOUT_S) -> bytes:
+    """The bytes of one file of a result, an image or a video (both are stored and named alike),
+    checked against its sha256; FetchFailed naming where it looked."""
     import urllib.error  # with urllib.request (and ssl) on first use, not at `import api_client`
 
     tried: list[str] = []
@@ -37,11 +39,15 @@ def fetch_image(image: ImageFile, timeout: float = FETCH_TIMEOUT_S) -> bytes:
             )
         return data
     if not tried:
-        raise FetchFailed("the image has no url, uri or path to read it from")
-    raise FetchFailed("cannot read the image: " + "; ".join(tried))
+        raise FetchFailed(f"the {_kind(image)} has no url, uri or path to read it from")
+    raise FetchFailed(f"cannot read the {_kind(image)}: " + "; ".join(tried))
 
 
-def _sources(image: ImageFile, timeout: float) -> list[tuple[str, Any]]:
+def _kind(file: ImageFile | VideoFile) -> str:
+    return "video" if isinstance(file, VideoFile) else "image"
+
+
+def _sources(image: ImageFile | VideoFile, timeout: float) -> list[tuple[str, Any]]:
     sources: list[tuple[str, Any]] = []
     if image.url:
         sources.append((image.url, lambda: _http(image.url or "", timeout)))

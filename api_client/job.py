@@ -18,12 +18,14 @@ from api_client.errors import JobTimeout, KilnError, RenderFailed, UnknownJob
 from api_client.eta import job_eta, read_jobs
 from api_client.fetch import fetch_image
 from api_client.schema import (
+    ImageFile,
     JobError,
     JobEvent,
     JobSnapshot,
     Progress,
     RenderRequest,
     RenderResult,
+    VideoFile,
 )
 from api_client.webhooks import job_webhook_target, queue_webhook
 
@@ -151,17 +153,19 @@ class KilnJob:
         return events.follow(self._connection, keys.events_key(self.id), after, timeout)
 
     def download(self, directory: str | Path, timeout: float = 600.0) -> list[Path]:
-        """Wait for the result, fetch every image (sha256 checked) into directory as
-        <job id>-<n>.<ext>, and return the paths. Works for local and S3 stores, from any host."""
+        """Wait for the result, fetch every image or video (sha256 checked) into directory as
+        <job id>-<n>.<ext> (n its index in result.images or result.videos: a job has one kind),
+        and return the paths. Works for local and S3 stores, from any host."""
         result = self.wait(timeout=timeout)
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
         paths: list[Path] = []
-        for index, image in enumerate(result.images):
-            extension = {"jpeg": "jpg"}.get(image.format, image.format)
+        files: list[ImageFile | VideoFile] = [*result.images, *result.videos]
+        for index, file in enumerate(files):
+            extension = {"jpeg": "jpg"}.get(file.format, file.format)
             path = target / f"{self.id}-{index}.{extension}"
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(fetch_image(image))
+            tmp.write_bytes(fetch_image(file))
             os.replace(tmp, path)
             paths.append(path)
         return paths

@@ -16,7 +16,8 @@ __init__ imports nothing; tokens.py and settings.py need only redis and the stan
     quotas.py     per-tenant limits: jobs queued or running, upload bytes
     hub.py        one Redis reader fanning job events out to every SSE watcher
     views.py      the wire shapes the gateway adds to api_client's models (job, upload, problem)
-    routes.py     /v1: models, jobs, events, images, uploads, workers, queues
+    routes.py     /v1: models, jobs, events, images, videos, uploads, workers, queues
+    files.py      a finished job's images and videos as routes serve them; a video's byte ranges
     options.py    OPTIONS on any path
     dialect.py    what the compatible APIs share: refusals, submit, the served check, images
     held.py       a dialect's call held open until its job ends, without a thread per call

@@ -44,7 +44,8 @@ STATIC = Path(__file__).parent / "static"
 PAGE_FILES = {"app.js": "text/javascript", "app.css": "text/css"}
 DOCS_FILES = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css"}
 PAGE_CSP = (
-    "default-src 'self'; img-src 'self' data: blob: https:; script-src 'self'; "
+    "default-src 'self'; img-src 'self' data: blob: https:; media-src 'self' blob: https:; "
+    "script-src 'self'; "
     "style-src 'self'; connect-src 'self'; frame-ancestors 'none'; form-action 'self'; "
     "base-uri 'none'"
 )
@@ -205,6 +206,7 @@ def _errors(app: FastAPI) -> None:
             409: "Conflict",
             413: "Body too large",
             415: "Unsupported media type",
+            416: "Range not satisfiable",
             405: "Method not allowed",
         }
         headers = dict(exc.headers or {})

@@ -10,7 +10,7 @@ is `Cache-Control: no-store` (the router's dependency): a job view is one caller
 
 Over 400 lines because every /v1 route stands here with the responses it declares to the OpenAPI
 document (schemathesis holds each answer to them), beside the few helpers they share (owned_job,
-links, in_published_store); one router is what app.py hangs under auth."""
+links); one router is what app.py hangs under auth."""
 
 from __future__ import annotations
 
@@ -24,11 +24,10 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse, StreamingResponse
 
-from api_client import events, inputs, keys
+from api_client import events, keys
 from api_client.client import JOB_ID, KilnClient
 from api_client.errors import Problem, RenderFailed, RequestRejected, UnknownJob
-from api_client.fetch import FetchFailed, fetch_image
-from api_client.http import held, tenancy
+from api_client.http import files, held, tenancy
 from api_client.http.auth import caller
 from api_client.http.hub import EventHub
 from api_client.http.quotas import Quotas
@@ -394,39 +393,40 @@ CANCEL_DID |= {"started": "stopping"}
 def job_image(job_id: str, n: int, request: Request, who: Auth) -> Response:
     """One image of a finished job: its bytes (sha256 checked) from a local store, or a
     redirect to a presigned URL in S3."""
-    job = owned_job(request, who, job_id)
-    try:
-        result = job.result()
-    except (UnknownJob, RenderFailed):
-        result = None
-    if result is None or not 0 <= n < len(result.images):
-        raise HTTPException(404, f"job {job_id[:200]!r} has no image {n}")
-    image = result.images[n]
-    if image.uri and image.uri.startswith("s3://"):
-        if not image.url:
-            raise HTTPException(404, "the image is in S3 and has no presigned URL")
-        return RedirectResponse(image.url, status_code=307)
-    if not in_published_store(client_of(request), image.uri or image.path or ""):
-        raise HTTPException(404, "the image lies outside every store the workers published")
-    try:
-        data = fetch_image(image)
-    except FetchFailed as exc:
-        raise HTTPException(404, str(exc)) from None
-    return Response(data, media_type=f"image/{image.format}", headers=PRIVATE_CACHE)
+    image = files.stored(client_of(request), owned_job(request, who, job_id), n, "image")
+    if isinstance(image, RedirectResponse):
+        return image
+    data = files.read(image)
+    return Response(data, media_type=f"image/{image.format}", headers=files.PRIVATE_CACHE)
 
 
-PRIVATE_CACHE = {"Cache-Control": "private, max-age=3600"}
-
-
-def in_published_store(client: KilnClient, where: str) -> bool:
-    """Whether a file the gateway is about to read lies in a store a worker published (the
-    gateway never reads a path a Redis entry merely names)."""
-    stores = client.connection.smembers(keys.STORES_KEY)
-    if not where:
-        return False
-    path = unquote(urlparse(where).path) if where.startswith("file://") else where
-    ref = inputs.InputRef(kind="file", uri=where, path=path)
-    return any(inputs.within_store(ref, s.decode() if isinstance(s, bytes) else s) for s in stores)
+@router.get(
+    "/jobs/{job_id}/videos/{n}",
+    responses={
+        **JOB_REFUSED,
+        200: {"content": {kind: {} for kind in files.VIDEO_TYPES.values()}},
+        206: {"description": "the bytes a `Range: bytes=a-b` asked for, with Content-Range"},
+        307: {"description": "a presigned URL of the video in S3 (S3 serves ranges itself)"},
+        416: _problem(416, "a range that starts past the file's end (Content-Range: its size)"),
+    },
+    response_class=Response,
+)
+def job_video(
+    job_id: str,
+    n: int,
+    request: Request,
+    who: Auth,
+    range: Annotated[str | None, Header(max_length=200)] = None,
+    if_range: Annotated[str | None, Header(max_length=200)] = None,
+) -> Response:
+    """One video of a finished video job, as /images/{n} serves an image: its bytes (sha256
+    checked) from a local store, whole or the one byte range asked for (a browser's <video>
+    seeks by ranges), or a redirect to a presigned URL in S3."""
+    video = files.stored(client_of(request), owned_job(request, who, job_id), n, "video")
+    if isinstance(video, RedirectResponse):
+        return video
+    data = files.read(video)
+    return files.ranged(data, video, range, if_range)
 
 
 @router.get(
@@ -454,7 +454,7 @@ def job_preview(job_id: str, request: Request, who: Auth) -> Response:
         if event.preview.url:
             return RedirectResponse(event.preview.url, status_code=307)
         uri = event.preview.uri
-        if uri.startswith("file://") and in_published_store(client_of(request), uri):
+        if uri.startswith("file://") and files.in_published_store(client_of(request), uri):
             try:
                 with open(unquote(urlparse(uri).path), "rb") as file:
                     return Response(file.read(), media_type="image/jpeg")

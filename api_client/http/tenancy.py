@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from api_client import inputs, keys
 from api_client.client import KilnClient
-from api_client.errors import Problem, RequestRejected
+from api_client.errors import KilnError, Problem, RequestRejected
 from api_client.http.quotas import Quotas
 from api_client.http.tokens import Caller, Tokens
 from api_client.schema import (
+    ImageFile,
     JobEvent,
     JobSnapshot,
     PreviewRef,
     RenderRequest,
     RenderResult,
+    VideoFile,
     WorkerState,
 )
 
@@ -36,8 +38,13 @@ NOT_YOUR_UPLOAD = (
     "no upload of this token has this sha256 in Redis: it expired (KILN_INPUT_TTL_S) or was"
     " never uploaded with this token; upload it again"
 )
+VIDEO_INPUT = (
+    "names a video job's file: an input is an image (give an image job's kiln-output:, an"
+    " upload or a data: URL)"
+)
 PIN_RULE = "is the operator's to pin (an admin token); leave it out and the worker decides"
 STORE_URI = re.compile(r"(?:file|s3)://[^\s'\"]+")
+StoredFile = TypeVar("StoredFile", ImageFile, VideoFile)
 
 
 def admit(
@@ -57,6 +64,8 @@ def admit(
         if ref.kind == "data":
             return keep_upload(ref.data or b"", field, who, client, quotas)[0]
         refused = None if who.admin else _not_made(ref, who, tokens, quotas)
+        if refused is None and ref.kind == "output" and _video_job(client, ref.job_id or ""):
+            refused = VIDEO_INPUT
         if refused is not None:
             problems.append(Problem(field, value, refused))
         return value
@@ -112,6 +121,16 @@ def _not_made(ref: inputs.InputRef, who: Caller, tokens: Tokens, quotas: Quotas)
     return NOT_YOURS  # another's output, or a store uri or path: never a tenant's to name
 
 
+def _video_job(client: KilnClient, job_id: str) -> bool:
+    """Whether a finished job the caller may name made videos (a kiln-output: of it names no
+    image); False for any other job, whose own refusal, if any, comes from the request's check."""
+    try:
+        result = client.job(job_id).result()
+    except KilnError:
+        return False
+    return result is not None and bool(result.videos)
+
+
 def _map_inputs(request: RenderRequest, own: Callable[[str, str], str]) -> RenderRequest:
     """The request with every input image passed through own(value, field)."""
     update: dict[str, Any] = {}
@@ -134,22 +153,28 @@ def _map_inputs(request: RenderRequest, own: Callable[[str, str], str]) -> Rende
 
 
 def shown_result(base: str, job_id: str, result: RenderResult) -> RenderResult:
-    """result.images as the gateway shows them: url this gateway's absolute URL (an S3 store's
-    presigned URL stays), uri the opaque kiln-output:<job id>/<n> that the owner may give as an
-    input, and no path."""
+    """result.images and result.videos as the gateway shows them: url this gateway's absolute
+    URL (/images/<n>, /videos/<n>; an S3 store's presigned URL stays), uri the opaque
+    kiln-output:<job id>/<n> (the owner may give an image's as an input), and no path."""
     images = [
-        image.model_copy(
-            update={
-                "url": image.url
-                if image.uri and image.uri.startswith("s3://") and image.url
-                else f"{base}/v1/jobs/{job_id}/images/{n}",
-                "uri": f"{inputs.OUTPUT_SCHEME}{job_id}/{n}",
-                "path": None,
-            }
-        )
+        _shown_file(f"{base}/v1/jobs/{job_id}/images", job_id, n, image)
         for n, image in enumerate(result.images)
     ]
-    return result.model_copy(update={"images": images})
+    videos = [
+        _shown_file(f"{base}/v1/jobs/{job_id}/videos", job_id, n, video)
+        for n, video in enumerate(result.videos)
+    ]
+    return result.model_copy(update={"images": images, "videos": videos})
+
+
+def _shown_file(route: str, job_id: str, n: int, stored: StoredFile) -> StoredFile:
+    presigned = stored.uri and stored.uri.startswith("s3://") and stored.url
+    update = {
+        "url": stored.url if presigned else f"{route}/{n}",
+        "uri": f"{inputs.OUTPUT_SCHEME}{job_id}/{n}",
+        "path": None,
+    }
+    return stored.model_copy(update=update)
 
 
 def shown_preview(base: str, job_id: str, preview: PreviewRef) -> PreviewRef:

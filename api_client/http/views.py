@@ -53,7 +53,8 @@ class JobView(JobSnapshot):
     """A job as GET /v1/jobs/{id} shows it: the Python client's job.snapshot() (status is
     job.status()'s: queued, scheduled, started, finished, failed, stopped, canceled or
     quarantined, the last five ends; position the jobs ahead of it in its queue, 0: next), with
-    result.images[].url this gateway's URLs for a local store, presigned ones for S3."""
+    result.images[].url and result.videos[].url this gateway's URLs for a local store,
+    presigned ones for S3."""
 
     urls: JobLinks
 

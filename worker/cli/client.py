@@ -66,7 +66,9 @@ def _job_verbs(verbs: Any) -> None:
     )
     canceling.add_argument("id")
     canceling.set_defaults(handler=cancel)
-    fetching = verbs.add_parser("fetch", help="a finished job's images into DIR, sha256 checked")
+    fetching = verbs.add_parser(
+        "fetch", help="a finished job's images or videos into DIR, sha256 checked"
+    )
     fetching.add_argument("id")
     fetching.add_argument("dir", nargs="?", default=".", type=Path, help="default: here")
     fetching.set_defaults(handler=fetch)
@@ -279,7 +281,8 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def fetch(args: argparse.Namespace) -> int:
-    """`kiln fetch ID [DIR]`: a finished job's images, sha256 checked, as <id>-<n>.<ext>."""
+    """`kiln fetch ID [DIR]`: a finished job's images or videos, sha256 checked, as
+    <id>-<n>.<ext>."""
     from api_client import FetchFailed, RenderFailed, UnknownJob
 
     handle = _client().job(args.id)

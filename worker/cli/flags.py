@@ -48,7 +48,21 @@ def _render_flags(parser: argparse.ArgumentParser) -> None:
         choices=SIGMAS,
         help="the sampler's noise schedule (with --sampler); default: the sampler's own",
     )
-    parser.add_argument("--format", dest="output_format", choices=["png", "webp", "jpeg"])
+    parser.add_argument(
+        "--format",
+        dest="output_format",
+        choices=["png", "webp", "jpeg", "mp4", "webm"],
+        help="an image model's png, webp or jpeg; a video model's mp4 (its default), webm or"
+        " webp (animated)",
+    )
+    parser.add_argument(
+        "--frames",
+        type=int,
+        help="a video model's frames (its family's rule, e.g. wan 4k+1; default: the manifest's)",
+    )
+    parser.add_argument(
+        "--fps", type=int, help="a video model's frames a second (default: the manifest's)"
+    )
     parser.add_argument(
         "--previews",
         action="store_true",
@@ -61,8 +75,9 @@ def _input_flags(parser: argparse.ArgumentParser) -> None:
     """The images a job starts from or is steered by, and the hires pass."""
     parser.add_argument(
         "--mode",
-        choices=["txt2img", "img2img", "inpaint", "edit"],
-        help="default: from --image/--mask (an edit model's --image: edit)",
+        choices=["txt2img", "img2img", "inpaint", "edit", "txt2video", "img2video"],
+        help="default: from --image/--mask (an edit model's --image: edit; a video model's:"
+        " img2video, the image its first frame)",
     )
     parser.add_argument("--image", help="input image: a local file (uploaded) or a kiln-input: uri")
     parser.add_argument("--mask", help="inpaint mask (white: repaint), as --image")

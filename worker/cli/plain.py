@@ -75,6 +75,11 @@ def print_result(result: RenderResult) -> None:
     )
     for image in result.images:
         print(f"  {image.path or image.uri}  sha256 {image.sha256[:16]}")
+    for video in result.videos:
+        print(
+            f"  {video.path or video.uri}  {video.frames} frames at {video.fps} fps,"
+            f" {video.duration_s:g} s  sha256 {video.sha256[:16]}"
+        )
     print(
         f"  rung {result.rung}  device {result.device}  dtype {result.dtype}  "
         f"compiled {result.compiled}  attempts {[a.outcome for a in result.attempts]}"

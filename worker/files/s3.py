@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from PIL import Image
 
 from api_client.redact import redact
-from api_client.schema import ImageFile, PreviewRef, RenderResult
+from api_client.schema import ImageFile, PreviewRef, RenderResult, VideoFile
 from worker.errors import JobDeadlineExceeded, OutputError, StoreError, StoreUnavailable
 from worker.files import output
 from worker.files.jobfiles import PREVIEW_FILE, JobFiles, RecentPreviews
@@ -23,6 +23,7 @@ from worker.files.output import EncodedImage
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
+StoredFile = TypeVar("StoredFile", ImageFile, VideoFile)
 
 _CONTENT_TYPE = {
     "png": "image/png",
@@ -137,11 +138,13 @@ class S3Store:
         except ValueError:
             return None
         result = output.same_request(result, request_digest, f"s3://{self.bucket}/{key}")
-        images = [
-            image.model_copy(update={"url": self._presign(urlparse(image.uri or "").path[1:])})
-            for image in result.images
-        ]
-        return result.model_copy(update={"images": images})
+        images = [self._fresh(image) for image in result.images]
+        videos = [self._fresh(video) for video in result.videos]
+        return result.model_copy(update={"images": images, "videos": videos})
+
+    def _fresh(self, stored: StoredFile) -> StoredFile:
+        """A stored image or video with a new presigned URL for its object."""
+        return stored.model_copy(update={"url": self._presign(urlparse(stored.uri or "").path[1:])})
 
     def close_job(self, job_id: str, *, keep: bool) -> None:
         keys = self._files.take(job_id)
