@@ -448,6 +448,12 @@ def check_image(
     return None
 
 
+VIDEO_INPUT = (
+    "names a video job's file: an input is an image (give an image job's kiln-output:, an"
+    " upload or a data: URL)"
+)
+
+
 def output_image(conn: Redis, ref: InputRef, field: str = "image") -> ImageFile:
     """The result image a kiln-output: reference names (its store uri, size and sha256);
     InputRefused when that job is unknown, expired, not finished or has no such image. Who may
@@ -460,6 +466,8 @@ def output_image(conn: Redis, ref: InputRef, field: str = "image") -> ImageFile:
         result = KilnJob(ref.job_id or "", conn).result()
     except KilnError:
         result = None
+    if result is not None and result.videos and not result.images:
+        raise InputRefused(Problem(field, ref.uri, VIDEO_INPUT))
     if result is None or not 0 <= (ref.index or 0) < len(result.images):
         raise InputRefused(Problem(field, ref.uri, rule))
     image = result.images[ref.index or 0]

@@ -7,6 +7,7 @@ is submitted by the real command line, one over HTTP by a tenant."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from api_client import FetchFailed, KilnClient, keys
+from api_client import FetchFailed, KilnClient, inputs, keys
 from api_client.http import tenancy
 from api_client.http.tokens import Tokens
 from api_client.schema import RenderResult, VideoFile
@@ -205,8 +206,8 @@ def test_a_video_is_no_input_image(rendered: Rendered) -> None:
     request = {"model": "tiny-sd15", "prompt": "a fox", "steps": 2, "strength": 0.5}
     request["image"] = f"kiln-output:{rendered.alice_job}/0"
     for token, rule in (
-        (rendered.alice, tenancy.VIDEO_INPUT),
-        (rendered.admin, tenancy.VIDEO_INPUT),
+        (rendered.alice, inputs.VIDEO_INPUT),
+        (rendered.admin, inputs.VIDEO_INPUT),
         (rendered.bob, tenancy.NOT_YOURS),
     ):
         status, _, body = call("POST", rendered.gateway.url + "/v1/jobs", token, request)
@@ -272,3 +273,27 @@ def test_a_webhook_of_a_video_job_carries_its_videos(rendered: Rendered) -> None
     body = json.loads(OutboxEntry.of("target", event).body)
     [sent] = body["result"]["videos"]
     assert VideoFile.model_validate(sent) == result.videos[0]
+
+
+def test_the_images_dialects_refuse_a_video_model_naming_kilns_route(rendered: Rendered) -> None:
+    """OpenAI's images API and A1111's txt2img answer with images: a video model is refused
+    before anything is queued, and neither lists one among its models."""
+    url, alice = rendered.gateway.url, rendered.alice
+    body = {"model": MODEL, "prompt": "a red fox"}
+    status, _, answer = call("POST", url + "/openai/v1/images/generations", alice, body)
+    error = json.loads(answer)["error"]
+    assert status == 400 and error["param"] == "model" and "POST /v1/jobs" in error["message"]
+    status, _, answer = call("GET", url + "/openai/v1/models", alice)
+    listed = {model["id"] for model in json.loads(answer)["data"]}
+    assert status == 200 and "tiny-sd15" in listed and MODEL not in listed
+    basic = "Basic " + base64.b64encode(f"webui:{alice}".encode()).decode()
+    txt2img = {"prompt": "a red fox", "override_settings": {"sd_model_checkpoint": MODEL}}
+    status, _, answer = call(
+        "POST", url + "/sdapi/v1/txt2img", None, txt2img, headers={"Authorization": basic}
+    )
+    assert status == 400 and "renders video" in answer.decode(), answer
+    status, _, answer = call(
+        "GET", url + "/sdapi/v1/sd-models", None, headers={"Authorization": basic}
+    )
+    assert status == 200 and MODEL not in {m["title"] for m in json.loads(answer)}
+    assert rendered.conn.llen(keys.rq_queue_key(keys.queue_name(MODEL, "interactive"))) == 0

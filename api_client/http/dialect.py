@@ -17,6 +17,7 @@ from api_client.fetch import FetchFailed, fetch_image
 from api_client.http import held
 from api_client.http.tokens import Caller
 from api_client.job import KilnJob
+from api_client.manifest import Manifest
 from api_client.schema import ImageFile, JobEvent, RenderRequest, RenderResult
 
 
@@ -40,6 +41,18 @@ async def json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise Refused(400, "the body must be a JSON object", None, "invalid_json")
     return body
+
+
+def makes_images(manifest: Manifest, field: str) -> Manifest:
+    """The manifest of a model the dialect's images API can answer for: a video model is refused
+    (400) naming kiln's own route, which serves its videos."""
+    if manifest.family_row.video:
+        message = (
+            f"model {manifest.id} renders video, and this API answers with images: submit it"
+            " through POST /v1/jobs (its result lists videos)"
+        )
+        raise Refused(400, message, field, "model_not_supported")
+    return manifest
 
 
 def require_served(client: KilnClient, model: str, field: str = "model") -> None:

@@ -101,7 +101,7 @@ def list_models(request: Request) -> dict[str, Any]:
         "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "kiln"}
             for model_id, manifest in sorted(client.manifests().items())
-            if not manifest.benchmark_only
+            if not manifest.benchmark_only and not manifest.family_row.video
         ],
     }
 
@@ -200,7 +200,7 @@ def _manifest(client: KilnClient, model: Any) -> Manifest:
         known = ", ".join(sorted(manifests)[:20])
         message = f"the model {model[:100]!r} does not exist; models here: {known}"
         raise Refused(404, message, "model", "model_not_found")
-    return manifests[model]
+    return dialect.makes_images(manifests[model], "model")
 
 
 def _size(size: Any, manifest: Manifest) -> dict[str, int]:

@@ -167,6 +167,7 @@ def list_models(client: Client, who: Auth) -> ModelList:
                     sampler: list(info.manifest.family_row.sigmas_for(sampler))
                     for sampler in info.manifest.samplers
                 },
+                frame_step=info.manifest.family_row.frame_step,
             )
             for info in client.models()
             if not info.manifest.benchmark_only

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from api_client import inputs, keys
 from api_client.client import KilnClient
-from api_client.errors import KilnError, Problem, RequestRejected
+from api_client.errors import Problem, RequestRejected
 from api_client.http.quotas import Quotas
 from api_client.http.tokens import Caller, Tokens
 from api_client.schema import (
@@ -37,10 +37,6 @@ NOT_YOURS = (
 NOT_YOUR_UPLOAD = (
     "no upload of this token has this sha256 in Redis: it expired (KILN_INPUT_TTL_S) or was"
     " never uploaded with this token; upload it again"
-)
-VIDEO_INPUT = (
-    "names a video job's file: an input is an image (give an image job's kiln-output:, an"
-    " upload or a data: URL)"
 )
 PIN_RULE = "is the operator's to pin (an admin token); leave it out and the worker decides"
 STORE_URI = re.compile(r"(?:file|s3)://[^\s'\"]+")
@@ -64,8 +60,6 @@ def admit(
         if ref.kind == "data":
             return keep_upload(ref.data or b"", field, who, client, quotas)[0]
         refused = None if who.admin else _not_made(ref, who, tokens, quotas)
-        if refused is None and ref.kind == "output" and _video_job(client, ref.job_id or ""):
-            refused = VIDEO_INPUT
         if refused is not None:
             problems.append(Problem(field, value, refused))
         return value
@@ -119,16 +113,6 @@ def _not_made(ref: inputs.InputRef, who: Caller, tokens: Tokens, quotas: Quotas)
     if ref.kind == "output" and tokens.made(who, ref.job_id or ""):
         return None
     return NOT_YOURS  # another's output, or a store uri or path: never a tenant's to name
-
-
-def _video_job(client: KilnClient, job_id: str) -> bool:
-    """Whether a finished job the caller may name made videos (a kiln-output: of it names no
-    image); False for any other job, whose own refusal, if any, comes from the request's check."""
-    try:
-        result = client.job(job_id).result()
-    except KilnError:
-        return False
-    return result is not None and bool(result.videos)
 
 
 def _map_inputs(request: RenderRequest, own: Callable[[str, str], str]) -> RenderRequest:

@@ -90,6 +90,8 @@ class ModelView(BaseModel):
     eta_now_s: float | None = None
     # The sigma schedules each of its samplers (manifest.samplers) takes on its family.
     sigmas: dict[str, list[str]] = Field(default_factory=dict)
+    # A video family's frames are frame_step * k + 1 (FamilyRow.frame_step); 0: images.
+    frame_step: int = 0
 
 
 class ModelList(BaseModel):

@@ -135,15 +135,18 @@ def _manifest(client: KilnClient, model: str) -> Manifest:
             "sd_model_checkpoint",
             "model_not_found",
         )
-    return manifests[model]
+    return dialect.makes_images(manifests[model], "sd_model_checkpoint")
 
 
 def _checkpoints(client: KilnClient) -> dict[str, Manifest]:
-    """The manifests A1111 calls checkpoints: every prompted model (upscalers are /upscalers)."""
+    """The manifests A1111 calls checkpoints: every prompted image model (upscalers are
+    /upscalers; a video model answers no txt2img)."""
     return {
         model_id: manifest
         for model_id, manifest in client.manifests().items()
-        if manifest.family_row.prompted and not manifest.benchmark_only
+        if manifest.family_row.prompted
+        and not manifest.benchmark_only
+        and not manifest.family_row.video
     }
 
 

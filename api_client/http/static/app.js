@@ -14,10 +14,8 @@ const INPUT_MODES = {
 };
 const STRENGTH_MODES = new Set(["img2img", "inpaint"]); // edit denoises from noise: no strength
 const UPLOAD_TYPES = new Set(["image/png", "image/jpeg", "image/webp"]);
-// A video family makes frame_step * k + 1 frames (api_client/families.py, FamilyRow.frame_step).
-// /v1/models does not say the step, so the page keeps it here, the one place it does; a listing
-// that carries frame_step (ModelView) wins over this table.
-const FRAME_STEPS = { wan: 4, ltx: 8 };
+// A video family makes frame_step * k + 1 frames: /v1/models says the step (ModelView.frame_step,
+// from api_client/families.py), so the page keeps no family table of its own.
 // The containers a model's kind makes (schema.py IMAGE_FORMATS, VIDEO_FORMATS): webp is an
 // animated one for a video model.
 const FORMATS = { image: ["png", "webp", "jpeg"], video: ["mp4", "webm", "webp"] };
@@ -185,7 +183,7 @@ function isVideo(manifest) {
 }
 
 function frameStep(view) {
-  return view.frame_step || FRAME_STEPS[view.manifest.family] || 1;
+  return view.frame_step || 1;
 }
 
 function setNumber(input, min, max, value) {
