@@ -18,9 +18,10 @@ kind diffusers ships, hooks the attention modules inside each block, inside the 
 on tiny-flux it fails the same way under these compiled forwards, so kiln does not offer it.
 
 Cache contexts. The hooks keep one state per context ("cond", "uncond"), which the pipeline names
-around each denoiser pass. FluxPipeline, Flux2KleinPipeline and the Qwen-Image pipelines do;
+around each denoiser pass. FluxPipeline, Flux2KleinPipeline, the Qwen-Image and Wan pipelines do;
 FLUX.1's img2img, inpaint and Kontext pipelines do not (diffusers#12760). For those kiln names
 it from a hook on the denoiser: a step's first pass is "cond", its second (true CFG) "uncond".
+The LTX-Video pipelines batch CFG's two halves into one pass, which they name "cond_uncond".
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class StepCache(AbstractContextManager["StepCache"]):
         self.computed: Counter[str] = Counter()  # of those, the ones that ran every block
         self._step_passes = 0
         self._context = PASSES[0]
+        self._lead = ""  # the context of each step's first pass: "cond", or LTX's "cond_uncond"
         self._open: AbstractContextManager[Any] | None = None
         self._handles: list[Any] = []
         self._tail: torch.nn.Module | None = None
@@ -150,13 +152,14 @@ class StepCache(AbstractContextManager["StepCache"]):
         self._step_passes = 0
 
     def report(self) -> StepCacheReport:
-        """The first pass of each step (the conditional one): its steps computed and reused."""
-        cond = PASSES[0]
+        """The first pass of each step (the conditional one, or a batched CFG's only one): its
+        steps computed and reused."""
+        lead = self._lead or PASSES[0]
         return StepCacheReport(
             kind=self.spec.kind,
             params=self.spec.params,
-            steps_computed=self.computed[cond],
-            steps_reused=self.passes[cond] - self.computed[cond],
+            steps_computed=self.computed[lead],
+            steps_reused=self.passes[lead] - self.computed[lead],
         )
 
     def _count_tail(self) -> None:
@@ -186,6 +189,7 @@ class StepCache(AbstractContextManager["StepCache"]):
             context = getattr(self._manager, "_context", None)
             name = getattr(context, "name", PASSES[0])
         self._context = name
+        self._lead = self._lead or name
         self.passes[name] += 1
 
     def _leave_pass(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:

@@ -26,7 +26,7 @@ from worker.files.store import Store
 from worker.memory import device as dev
 from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan
-from worker.pipelines import control, reference
+from worker.pipelines import control, latent_preview, reference
 from worker.pipelines.adapters import AdapterRefused
 from worker.pipelines.families import Prompt, cfg_active, decode_preview
 from worker.pipelines.resident import LoadedPipeline
@@ -94,10 +94,12 @@ def generate(
         text = _encode(loaded, pipe, job, adapter)
 
     # 2. The first pass: denoise to latents, then decode them. The step callback reports
-    #    progress (with a TAESD preview at each quarter when the request asks and the model has
-    #    TAESD) and honours a stop request; out of memory in decode keeps the latents for the
-    #    decode rules.
-    wanted = request.previews and loaded.preview_vae is not None
+    #    progress (with a preview at each quarter when the request asks and the model has TAESD,
+    #    or is a video family whose latents project to RGB: _preview_image) and honours a stop
+    #    request; out of memory in decode keeps the latents for the decode rules.
+    wanted = request.previews and (
+        loaded.preview_vae is not None or latent_preview.previews(loaded)
+    )
     previews = preview_steps(steps) if wanted else set()
     spec = decision.spec
     cache = StepCache(loaded.denoiser, spec, pipe, steps) if spec is not None else None
@@ -243,13 +245,24 @@ def _preview(
 ) -> str | None:
     """Decode and store a preview (its uri); one that fails is logged and skipped, never fatal."""
     try:
-        image = decode_preview(loaded.pipe, loaded.preview_vae, latents)
+        image = _preview_image(loaded, latents, job.request)
         uri = store.save_preview(job.ctx.job_id, image)
     except Exception as exc:
         log.warning("preview failed for job %s: %s", job.ctx.job_id, exc)
         return None
     job.record.previews += 1
     return uri
+
+
+def _preview_image(
+    loaded: LoadedPipeline, latents: torch.Tensor, request: RenderRequest
+) -> Image.Image:
+    """TAESD's decode where the model has one, else a video family's latents projected to RGB
+    at the job's size (no TAESD exists for its VAE in kiln)."""
+    if loaded.preview_vae is not None:
+        return decode_preview(loaded.pipe, loaded.preview_vae, latents)
+    size = (request.width or 0, request.height or 0)
+    return latent_preview.project(loaded.pipe, latents, *size, request.frames or 1)
 
 
 def apply_loras(loaded: LoadedPipeline, job: JobRun, streams: bool) -> frozenset[str]:
