@@ -10,14 +10,17 @@ int8 memory drop (SDXL's text_encoder_2, SD3's T5), a real out-of-memory
 kiln's device profile of it (memory, native bf16, fp8, compute capability), and issue 30's
 controls: a ControlNet's extra time per step (SD1.5's, SDXL's union, FLUX.1's union, in their
 published layouts: bench/control_builds.py), RealESRGAN x4plus's seconds per megapixel and its
-tiles, and SDXL's hires pass against a direct render at its final size. Runs offline on an
-NVIDIA GPU:
+tiles, and SDXL's hires pass against a direct render at its final size; issue 41's video:
+Wan2.2-TI2V-5B at real size, each rung's seconds a step and peak at 480p and 720p, 33 frames (a
+CUDA device only: on a CPU the section is reported skipped unless --video-on-cpu runs it
+shrunk). Runs offline on an NVIDIA GPU:
 
     python bench/gpu_check.py [--out DIR]
     python bench/gpu_check.py --dry-run      # CPU, shrunken configs, drilled OOM: 1-2 minutes
     python bench/gpu_check.py --families qwenimage          # one family's sections
     python bench/gpu_check.py --families flux --sections rungs,compile_methods --rungs full
     python bench/gpu_check.py --sections controls            # ControlNets, upscaler, hires
+    python bench/gpu_check.py --sections video --families wan  # Wan2.2-TI2V-5B's rungs
 
 Checkpoints are written under $TMPDIR (a real Qwen-Image is 56 GB, FLUX.1 34 GB): point it at a
 disk that holds one of them at least; the check deletes the others when the next does not fit.
@@ -42,6 +45,14 @@ disk that holds one of them at least; the check deletes the others when the next
 #   transformers 5 spelling (rope_scaling + rope_theta became rope_parameters); unconfirmed that
 #   Qwen-Image's text_encoder/config.json is that file unchanged. The scheduler is as
 #   worker/pipelines/tiny/qwenimage.py copies it.
+# - wan (Wan2.2-TI2V-5B, the video section): its configs are written below (VIDEO_CONFIGS), not
+#   in bench/configs. The transformer's and VAE's numbers are diffusers' own conversion script's
+#   (scripts/convert_wan_to_diffusers.py @ 58eb52c: get_transformer_config("Wan2.2-TI2V-5B") and
+#   vae22_diffusers_config, less its clip_output, a key diffusers 0.42.1's AutoencoderKLWan does
+#   not take), the scheduler the UniPC (flow shift 5.0) that script saves, the text encoder
+#   google/umt5-xxl's config (the script loads it whole). Built they come to 4.9998 B + 0.7047 B
+#   + 5.6809 B parameters: 10.00 + 1.41 + 11.36 GB at bf16, wan2.2-ti2v-5b.yaml's component_gb
+#   (10.0, 1.41, 11.4); Comfy-Org's fp16 transformer file is 9,999,658,848 bytes.
 
 from __future__ import annotations
 
@@ -68,6 +79,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402 - after the path fix so `python bench/gpu_check.py` finds kiln
 
 from api_client.controls import ControlNetSpec  # noqa: E402
+from api_client.families import family_row  # noqa: E402
 from api_client.manifest import Manifest, load_manifest_file  # noqa: E402
 from api_client.schema import RUNGS, RenderResult, Rung  # noqa: E402
 from worker.memory.faults import FaultPlan  # noqa: E402
@@ -85,6 +97,7 @@ from worker.pipelines.tiny.tokenizers import (  # noqa: E402
     qwen2_vl_tokenizer,
     t5_tokenizer,
     token_id,
+    umt5_tokenizer,
 )
 from worker.render.context import LocalContext  # noqa: E402
 from worker.render.renderer import Renderer  # noqa: E402
@@ -195,6 +208,26 @@ DRY_RUN: dict[str, dict[str, dict[str, Any]]] = {
         },
         "vae": {"base_dim": 8, "num_res_blocks": 1},
     },
+    # tiny-wan's sizes (worker/pipelines/tiny/wan.py): a head of 12 splits into rope dims of 4
+    "wan": {
+        "transformer": {
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "text_dim": 32,  # the text encoder's d_model
+        },
+        "text_encoder": {
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "relative_attention_max_distance": 32,
+        },
+        "vae": {"base_dim": 4, "decoder_base_dim": 8, "num_res_blocks": 1},
+    },
     # the controls section's ESRGAN, and its manifest: a 128 px image in 64 px tiles, as the
     # card's 1024 px one runs in realesrgan-x4plus.yaml's 512 px tiles
     "upscaler": {"model": {"num_filters": 4, "num_blocks": 1}, "manifest": {"tile": 64}},
@@ -228,10 +261,90 @@ TOKENIZERS: dict[str, dict[str, Callable[[], Any]]] = {
     },
     "flux": {"tokenizer": clip_tokenizer, "tokenizer_2": lambda: t5_tokenizer(FLUX_T5_MAX_LENGTH)},
     "qwenimage": {"tokenizer": qwen2_vl_tokenizer},
+    "wan": {"tokenizer": umt5_tokenizer},
 }
 PIPELINE_EXTRAS: dict[str, dict[str, Any]] = {
     "sd15": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
     "sdxl": {"add_watermarker": False},
+    # TI2V-5B's model_index: each latent token at its own timestep (the first frame's held at 0
+    # for image-to-video), as the conversion script builds its WanPipeline.
+    "wan": {"expand_timesteps": True},
+}
+# Wan2.2-TI2V-5B's components (sources in the comment at the top). Its VAE: Wan 2.2's residual
+# one, 2x2 pixel patches (12 channels) then three 2x downsamples (16x), two causal 2x temporal
+# ones (4x), 48 latent channels with their published means and deviations.
+VIDEO_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "wan": {
+        "transformer": {
+            "_class_name": "WanTransformer3DModel",
+            "added_kv_proj_dim": None,
+            "attention_head_dim": 128,
+            "cross_attn_norm": True,
+            "eps": 1e-06,
+            "ffn_dim": 14336,
+            "freq_dim": 256,
+            "in_channels": 48,
+            "num_attention_heads": 24,
+            "num_layers": 30,
+            "out_channels": 48,
+            "patch_size": [1, 2, 2],
+            "qk_norm": "rms_norm_across_heads",
+            "text_dim": 4096,
+        },
+        "vae": {
+            "_class_name": "AutoencoderKLWan",
+            "base_dim": 160,
+            "decoder_base_dim": 256,
+            "z_dim": 48,
+            "is_residual": True,
+            "in_channels": 12,
+            "out_channels": 12,
+            "patch_size": 2,
+            "scale_factor_temporal": 4,
+            "scale_factor_spatial": 16,
+            "dim_mult": [1, 2, 4, 4],
+            "num_res_blocks": 2,
+            "temperal_downsample": [False, True, True],
+            # vae22_diffusers_config's, in channel order
+            "latents_mean": [
+                *(-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557),
+                *(-0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825),
+                *(-0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502),
+                *(-0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230),
+                *(-0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748),
+                *(0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667),
+            ],
+            "latents_std": [
+                *(0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013),
+                *(0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978),
+                *(0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659),
+                *(0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093),
+                *(0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887),
+                *(0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
+            ],
+        },
+        # google/umt5-xxl: T5 v1.1's gated GELU, a relative position bias in every layer
+        "text_encoder": {
+            "_class_name": "UMT5EncoderModel",
+            "vocab_size": 256384,
+            "d_model": 4096,
+            "d_kv": 64,
+            "d_ff": 10240,
+            "num_layers": 24,
+            "num_heads": 64,
+            "relative_attention_num_buckets": 32,
+            "relative_attention_max_distance": 128,
+            "feed_forward_proj": "gated-gelu",
+            "layer_norm_epsilon": 1e-06,
+        },
+        "scheduler": {
+            "_class_name": "UniPCMultistepScheduler",
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "num_train_timesteps": 1000,
+            "flow_shift": 5.0,
+        },
+    }
 }
 
 
@@ -334,12 +447,46 @@ UPSCALER = Case(
     claims_from="realesrgan-x4plus.yaml",
     gpu_s={"build": 5.0, "upscale": 30.0},
 )
+# The video section: Wan2.2-TI2V-5B against wan2.2-ti2v-5b.yaml's memory figures. Its gpu_s are
+# arithmetic for an H100, not yet measured (build: 23 GB written; a rung: the load, then a cold
+# and a warm job of 33 frames at each of two sizes, a 720p step ~0.5 s with CFG and its decode
+# several seconds; group offload streams the 10 GB transformer every step); the first card run's
+# figures replace them.
+VIDEO = Case(
+    "wan",
+    1280,
+    claims_from="wan2.2-ti2v-5b.yaml",
+    guidance=(5.0, 20.0),
+    gpu_s={
+        "build": 60.0,
+        "full": 60.0,
+        "partial": 70.0,
+        "model_offload": 80.0,
+        "group_offload": 100.0,
+    },
+)
+# Its sizes: 480p, Wan's 832x480 (26 x 15 cells of TI2V's 32 px grid: its 16x VAE by the 2x2
+# patch; TI2V-5B publishes 720p only, Wan2.2 wan/configs SUPPORTED_SIZES['ti2v-5B']), and that
+# 720p, 1280x704; and its frames, 4k+1 (k = 8; the model's own default is 121). A dry run's are
+# tiny-wan's.
+VIDEO_SIZES = {False: ((832, 480), (1280, 704)), True: ((64, 64), (96, 64))}
+VIDEO_FRAMES = {False: 33, True: 9}
+NO_CUDA_VIDEO = (
+    "needs a CUDA device (Wan2.2-TI2V-5B at real size: 480p and 720p, 33 frames); this is cpu"
+    " (--video-on-cpu runs it shrunk in a dry run)"
+)
 # The compile case's second size: a new shape after warm-up, ~1 MP on the 16 px grid like 1024^2.
 SECOND_SIZE = {False: (1152, 896), True: (144, 112)}  # keyed by dry run
 # Timed jobs of each kind in the controls section, after a warm-up, keyed by dry run.
 ROUNDS = {False: 3, True: 1}
 QUANT_TYPES = {"float8": "Float8Tensor", "int8": "Int8Tensor"}
-FAMILIES = (FLUX.family, QWEN.family, *(case.family for case in CASES), UPSCALER.family)
+FAMILIES = (
+    FLUX.family,
+    QWEN.family,
+    *(case.family for case in CASES),
+    UPSCALER.family,
+    VIDEO.family,
+)
 # One card run (about 8 minutes) does not hold them all: --families, --sections and --rungs cut
 # a run down to what fits, e.g. FLUX.1's compile methods against its eager full rung alone.
 SECTIONS = (
@@ -351,6 +498,7 @@ SECTIONS = (
     "int8",
     "oom",
     "controls",
+    "video",
 )
 
 
@@ -374,6 +522,8 @@ class Report:
     oom: dict[str, Any] = field(default_factory=dict)
     # issue 30's: "controlnet" (one entry a family), "upscaler" and "hires"
     controls: dict[str, Any] = field(default_factory=dict)
+    # issue 41's: Wan2.2-TI2V-5B's parameters as built, and a row a rung and size (or skipped)
+    video: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     total_s: float = 0.0
@@ -431,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_controlnet(run, case)
         _check_upscaler(run)
         _check_hires(run, CASES[1])
+        # 7. Issue 41's video: Wan2.2-TI2V-5B's rungs at 480p and 720p, 33 frames (CUDA only).
+        _check_video(run)
         report.finished = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -499,6 +651,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the compile sections in a dry run (minutes on CPU)",
     )
+    parser.add_argument(
+        "--video-steps",
+        type=int,
+        default=4,
+        help="steps of the video section's jobs (default 4: 33 frames at 720p, CFG at 5.0)",
+    )
+    parser.add_argument(
+        "--video-on-cpu",
+        action="store_true",
+        help="also run the video section in a dry run (tiny-wan's sizes, 9 frames)",
+    )
     return parser
 
 
@@ -515,6 +678,8 @@ class Run:
     def steps(self, case: Case) -> int:
         if self.args.dry_run:
             return 2
+        if case.family == VIDEO.family:
+            return int(self.args.video_steps)
         return int(self.args.qwen_steps if case.family == "qwenimage" else self.args.steps)
 
     def has_time(self, label: str, need_s: float) -> bool:
@@ -656,9 +821,7 @@ def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
     # Built in 16-bit where they will run: a Qwen-Image is 20 B parameters plus a 7 B encoder,
     # 108 GB in fp32 (torch's default dtype, which every __init__ here allocates in).
     with _building(case.family, cuda):
-        for config_file in sorted((CONFIGS / case.family).glob("*.json")):
-            name = config_file.stem
-            config = json.loads(config_file.read_text())
+        for name, config in _configs(case.family).items():
             class_name = config.pop("_class_name")
             config = _merged(config, ALWAYS.get(case.family, {}).get(name, {}))
             if dry_run:
@@ -676,6 +839,16 @@ def _pipeline(case: Case, dry_run: bool, cuda: bool) -> Any:
             module.eval()
     pipeline_cls = getattr(diffusers, spec.pipeline_class)
     return pipeline_cls(**components, **tokenizers, **PIPELINE_EXTRAS.get(case.family, {}))
+
+
+def _configs(family: str) -> dict[str, dict[str, Any]]:
+    """A family's component configs by component name: bench/configs/<family>'s files, or the
+    video model's written here (VIDEO_CONFIGS); each a fresh copy the caller may change."""
+    if family in VIDEO_CONFIGS:
+        written: dict[str, dict[str, Any]] = json.loads(json.dumps(VIDEO_CONFIGS[family]))
+        return written
+    files = sorted((CONFIGS / family).glob("*.json"))
+    return {file.stem: json.loads(file.read_text()) for file in files}
 
 
 @contextmanager
@@ -739,8 +912,9 @@ def _encoder_config(class_name: str, config: dict[str, Any], tokenizer: Any) -> 
             "pad_token_id": tokenizer.pad_token_id,
         }
         return transformers.CLIPTextConfig(**config, **ids)
-    if class_name == "T5EncoderModel":
-        return transformers.T5Config(
+    if class_name in ("T5EncoderModel", "UMT5EncoderModel"):
+        kind = transformers.T5Config if class_name == "T5EncoderModel" else transformers.UMT5Config
+        return kind(
             **config, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
         )
     # Qwen2_5_VLForConditionalGeneration: its config names the vision markers' ids too.
@@ -769,6 +943,16 @@ def _nbytes(pipe: Any) -> int:
 
 def _manifest(case: Case, source: str, dry_run: bool) -> Manifest:
     size = 128 if dry_run else case.size
+    shape: dict[str, Any] = {"resolutions": [(size, size)]}
+    if family_row(case.family).video:
+        shape = {
+            "resolutions": list(VIDEO_SIZES[dry_run]),
+            "frames": {"default": VIDEO_FRAMES[dry_run], "max": 121},
+            "fps": 24,
+            "modes": ["txt2video", "img2video"],
+            # UMT5's 512 tokens (Wan's text_len); a dry run's encoder reads tiny-wan's 64
+            "max_sequence_length": 64 if dry_run else 512,
+        }
     return Manifest(
         id=f"check-{case.family}",
         family=case.family,  # type: ignore[arg-type]
@@ -780,8 +964,8 @@ def _manifest(case: Case, source: str, dry_run: bool) -> Manifest:
             if case.true_cfg is None
             else {"default": case.true_cfg[0], "max": case.true_cfg[1]}  # type: ignore[arg-type]
         ),
-        resolutions=[(size, size)],
         quantize=case.quantize,  # type: ignore[arg-type]
+        **shape,
         **_claims(case),
     )
 
@@ -847,10 +1031,11 @@ def _job(
     ctx = LocalContext(job_id=f"{manifest.id}-{tag}-{time.time_ns()}")
     result = recorder.renderer.render(payload, ctx)
     record = recorder.records[-1]
-    image = result.images[0]
+    image = (result.images or result.videos)[0]  # a video job's one video
     return {
         "rung": result.rung,
         "size": f"{image.width}x{image.height}",  # the image's: a hires job's final size
+        "frames": record.frames,
         "attempts": [a.model_dump(exclude_none=True) for a in result.attempts],
         "timings": {k: round(v, 4) for k, v in result.timings.model_dump().items()},
         "per_step_s": round(record.per_step_s or 0.0, 4),
@@ -1559,6 +1744,91 @@ def _check_hires(run: Run, case: Case) -> None:
         run.write()
 
 
+# 7. Issue 41's video: Wan2.2-TI2V-5B's rungs at 480p and 720p, 33 frames
+
+
+def _check_video(run: Run) -> None:
+    """Every rung of Wan2.2-TI2V-5B at real size with random weights: its seconds a step and
+    peak at 480p and 720p, 33 frames. Its parameters, built on the meta device (no memory), are
+    reported first on any machine, so a CPU run checks the configs; the renders need a CUDA
+    device (a CPU renders the shrunk model with --video-on-cpu in a dry run)."""
+    if not run.selected("video", VIDEO.family, "video"):
+        return
+    run.report.video = {"params_b": _video_params(), "skipped": None, "rows": []}
+    if not run.shelf.cuda and not run.args.video_on_cpu:
+        run.report.video["skipped"] = NO_CUDA_VIDEO
+        run.report.skipped.append(f"video: {NO_CUDA_VIDEO}")
+        return
+    rungs = run.rungs()
+    manifest = run.manifest(VIDEO, "video", rungs[0]) if rungs else None
+    if manifest is None:
+        return
+    run.report.video.update(
+        frames=VIDEO_FRAMES[run.args.dry_run],
+        steps=run.steps(VIDEO),
+        sizes=[f"{w}x{h}" for w, h in manifest.resolutions],
+    )
+    for rung in rungs:
+        if not run.has_time(f"video {rung}", VIDEO.gpu_s[rung]):
+            continue
+        try:
+            run.report.video["rows"].extend(_video_rung(run, manifest, rung))
+        except Exception as exc:  # a rung that cannot render a video is what this looks for
+            run.report.failures.append(f"video {rung}: {type(exc).__name__}: {exc}")
+        finally:
+            run.write()
+
+
+def _video_params() -> dict[str, float]:
+    """Billions of parameters of each real-size component, built on the meta device."""
+    import diffusers
+    import transformers
+
+    params: dict[str, float] = {}
+    for name, config in _configs(VIDEO.family).items():
+        class_name = config.pop("_class_name")
+        if name == "scheduler":
+            continue
+        with torch.device("meta"):
+            if name == "text_encoder":
+                module = getattr(transformers, class_name)(transformers.UMT5Config(**config))
+            else:
+                module = getattr(diffusers, class_name).from_config(config)
+        params[name] = round(sum(p.numel() for p in module.parameters()) / 1e9, 4)
+    return params
+
+
+def _video_rung(run: Run, manifest: Manifest, rung: Rung) -> list[dict[str, Any]]:
+    """At one rung: a cold and a warm job at each size (the first cold job is the load); a row a
+    size with the warm job's seconds a step, phases and peak against what the rung plans with."""
+    pinned = run.settings.model_copy(update={"memory_mode": rung, "compile": "off"})
+    recorder = _Recorder(pinned, manifest)
+    frames = {"frames": VIDEO_FRAMES[run.args.dry_run]}
+    steps, rows = run.steps(VIDEO), []
+    try:
+        for size in manifest.resolutions:
+            cold = _job(recorder, manifest, steps, "cold", size, frames)
+            warm = _job(recorder, manifest, steps, "warm", size, frames)
+            if warm["rung"] != rung:
+                run.report.failures.append(f"video {rung} {warm['size']}: ran at {warm['rung']}")
+            rows.append(
+                {
+                    "rung": rung,
+                    "size": warm["size"],
+                    "frames": warm["frames"],
+                    "load_s": cold["timings"]["load"],
+                    "per_step_s": warm["per_step_s"],
+                    "peak_mb": warm["peak_mb"],
+                    "claimed_gb": round(rung_need_gb(manifest, rung), 2),
+                    "cold": cold,
+                    "warm": warm,
+                }
+            )
+    finally:
+        recorder.evict_all()
+    return rows
+
+
 def _step_costs(timed: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The plain jobs' median seconds a step (none), and each extra's with what it adds to them."""
     none = _median(job["per_step_s"] for job in timed["none"])
@@ -1684,6 +1954,17 @@ def _print(report: Report, path: Path) -> None:
             f" ({h['hires']['steps_denoised']} steps) against direct {h['direct']['total_s']}s"
             f" ({h['direct']['steps_denoised']} steps): {h['total_ratio']}x,"
             f" denoise {h['denoise_ratio']}x"
+        )
+    video = report.video
+    if video.get("params_b"):
+        print(f"  video wan2.2-ti2v-5b parameters (B): {video['params_b']}")
+    for row in video.get("rows", []):
+        t = row["warm"]["timings"]
+        print(
+            f"  video {row['rung']:<13} {row['size']:>9} x {row['frames']} frames:"
+            f" {row['per_step_s']:.3f} s/step, decode {t['decode']:.2f}s,"
+            f" encode {t['video_encode']:.2f}s, total {t['total']:.2f}s,"
+            f" peak {row['peak_mb']:.0f} MB (plans {row['claimed_gb']} GB)"
         )
     for line in report.skipped:
         print(f"  skipped: {line}")

@@ -5,8 +5,10 @@ reported skipped on the CPU while int8 shrinks the FLUX.1 and Qwen-Image transfo
 shrinks SDXL's text encoder and SD3's T5, the drilled OOM is survived, the profile comparison
 says it had no GPU to compare, and the controls section times each family's published ControlNet
 layout against no control, RealESRGAN x4plus's architecture at three sizes and a hires pass
-against a direct render. A run cut down by --families, --sections and --rungs does only that, and
-the checkpoint shelf deletes the least recently used others when the disk is short."""
+against a direct render. The video section reports Wan2.2-TI2V-5B's real-size parameters and is
+skipped for want of a CUDA device, or with --video-on-cpu renders the shrunk model at every rung
+at two sizes. A run cut down by --families, --sections and --rungs does only that, and the
+checkpoint shelf deletes the least recently used others when the disk is short."""
 
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ def test_compile_sections_are_skipped_in_a_dry_run(dry_run: tuple[dict, str]) ->
         "compile",
         "compile_methods flux",
         "compile_methods qwenimage",
+        "video",  # a CUDA device only (test_the_video_section_*)
     }
 
 
@@ -212,6 +215,81 @@ def test_a_run_cut_down_to_one_rung_of_one_family(tmp_path: Path) -> None:
     assert "int8 text_encoder_2: int8 is not in --sections" in report["skipped"]
     assert "oom: sdxl is not in --families" in report["skipped"]
     assert "controls upscaler: controls is not in --sections" in report["skipped"]
+
+
+@pytest.mark.slow
+def test_the_video_section_is_reported_skipped_in_a_dry_run(dry_run: tuple[dict, str]) -> None:
+    import bench.gpu_check as check
+
+    report, stdout = dry_run
+    video = report["video"]
+    assert video["skipped"] == check.NO_CUDA_VIDEO and video["rows"] == []
+    assert f"video: {check.NO_CUDA_VIDEO}" in report["skipped"]
+    assert "wan" not in report["build_s"]  # nothing built for it
+    assert "video wan2.2-ti2v-5b parameters (B)" in stdout
+
+
+def test_the_video_section_builds_the_real_configs_and_is_skipped_on_a_cpu(
+    tmp_path: Path,
+) -> None:
+    """On the meta device (no memory): Wan2.2-TI2V-5B's transformer, VAE and UMT5 as configured
+    come to wan2.2-ti2v-5b.yaml's component_gb at two bytes a parameter; nothing renders."""
+    import bench.gpu_check as check
+    from api_client.manifest import load_manifest_file
+    from worker.settings import Settings
+
+    args = check._parser().parse_args(["--dry-run", "--out", str(tmp_path)])
+    report = check.Report(device="cpu", dry_run=True)
+    shelf = check.Shelf(report, tmp_path / "models", dry_run=True, cuda=False)
+    run = check.Run(report, Settings(models_dir=tmp_path / "models"), shelf, args)
+    check._check_video(run)
+    video = report.video
+    assert video["skipped"] == check.NO_CUDA_VIDEO and video["rows"] == []
+    assert report.skipped == [f"video: {check.NO_CUDA_VIDEO}"] and not report.failures
+    published = load_manifest_file(ROOT / "manifests" / "wan2.2-ti2v-5b.yaml").component_gb
+    assert set(video["params_b"]) == set(published) == {"transformer", "text_encoder", "vae"}
+    for name, billions in video["params_b"].items():
+        assert 2 * billions == pytest.approx(published[name], rel=0.005), name
+    assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.slow  # ~50 s: four rungs, two sizes, a cold and a warm 9-frame job each
+def test_the_video_section_renders_every_rung_at_both_sizes_with_video_on_cpu(
+    tmp_path: Path,
+) -> None:
+    import bench.gpu_check as check
+    from api_client.manifest import load_manifest_file
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_check.py",
+            *("--dry-run", "--video-on-cpu", "--out", str(tmp_path)),
+            *("--families", "wan", "--sections", "video"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    video = report["video"]
+    assert video["skipped"] is None and not report["failures"]
+    assert (video["frames"], video["steps"], video["sizes"]) == (9, 2, ["64x64", "96x64"])
+    rows = {(row["rung"], row["size"]): row for row in video["rows"]}
+    assert set(rows) == {(rung, size) for rung in RUNGS for size in ("64x64", "96x64")}
+    published = load_manifest_file(ROOT / "manifests" / "wan2.2-ti2v-5b.yaml")
+    for (rung, _), row in rows.items():
+        warm = row["warm"]
+        assert warm["rung"] == rung and warm["frames"] == row["frames"] == 9
+        assert row["per_step_s"] > 0 and row["peak_mb"] > 0
+        assert warm["timings"]["video_encode"] > 0 and warm["timings"]["image_encode"] == 0
+        want = published.min_vram_gb if rung == "full" else published.rung_vram_gb.get(rung)
+        if want is not None:  # partial's is derived from full's
+            assert row["claimed_gb"] == want
+    assert report["build_s"].keys() == {"wan"}
+    assert "video full" in done.stdout and check.NO_CUDA_VIDEO not in done.stdout
 
 
 def test_shelf_deletes_the_least_recently_used_checkpoint_when_the_disk_is_short(
