@@ -223,7 +223,6 @@ _FLOW_SOLVERS: tuple[Sampler, ...] = ("euler", "euler_ancestral", "dpmpp_2m", "d
 _NO_IP = "has no IP-Adapter (none published for it, none in diffusers 0.42)"
 _VIDEO_CONTROL = "has no ControlNet in kiln (diffusers' video control pipelines are not run yet)"
 _VIDEO_IP = "takes no reference image here (img2video's image is its first frame)"
-_VIDEO_CACHE = "{}'s step cache is not measured in kiln yet"
 
 FAMILIES: dict[str, FamilyRow] = {
     row.name: row

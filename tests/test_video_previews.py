@@ -22,12 +22,6 @@ from worker.files.video import frame, probe
 from worker.pipelines import latent_preview
 from worker.render.context import LocalContext
 
-# tiny-ltx's VAE has 16 latent channels (worker/pipelines/tiny/ltx.py LTX_LATENT_CHANNELS), not
-# LTX-Video's 128, so no table reads its latents and its jobs preview nothing until it has 128.
-NO_LTX_TABLE = pytest.mark.xfail(
-    strict=True, reason="tiny-ltx's VAE has 16 latent channels; LTX-Video's table reads 128"
-)
-
 
 def test_a_latent_pixel_becomes_its_tables_colour_packed_or_not() -> None:
     """ComfyUI's rgb = latent . factors + bias, read from [-1, 1] to 0-255, on the middle latent
@@ -66,7 +60,7 @@ def test_a_space_is_told_by_its_vaes_own_channel_field() -> None:
     assert latent_preview.space_for(vae(latent_channels=16)) is None  # FLUX.1's, tiny-ltx's
 
 
-@pytest.mark.parametrize("model", ["tiny-wan", pytest.param("tiny-ltx", marks=NO_LTX_TABLE)])
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-ltx"])
 def test_a_video_job_previews_a_frame_of_its_latest_step(
     redis_conn: Redis, settings: Any, model: str
 ) -> None:

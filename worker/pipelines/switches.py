@@ -82,6 +82,9 @@ def decide_switches(
 def _preview_decision(manifest: Manifest, value: Switch) -> Decision:
     if value == "off":
         return Decision("skipped", "switched off")
+    if manifest.family_row.video:
+        why = "a video job previews a frame by its latent-to-RGB factors (latent_preview)"
+        return Decision("skipped", f"{why}, no TAESD")
     if manifest.taesd is None:
         return Decision("skipped", "the manifest names no taesd weights")
     if manifest.family_row.packed_latents:

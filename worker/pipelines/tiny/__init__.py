@@ -3,7 +3,7 @@ build that saves them: kiln's embedded default models.
 
 They are ordinary diffusers directories, so they load through the same from_pretrained path as
 hub models, with no hub access at build or load time. Each family's builder lives in its own
-module (sd, flux, flux2, qwenimage, zimage, upscaler), named by the family's worker row
+module (sd, flux, flux2, qwenimage, zimage, wan, ltx, upscaler), named by the family's worker row
 (worker.pipelines.families.TinyModel, with its TAESD and ControlNets); this one owns the build,
 the version stamp and the atomic swap into place.
 """
@@ -49,7 +49,8 @@ __all__ = [
 # 8: self-hosters' files of the same weights: single-file sd15/sdxl, a kohya LoRA, a GGUF flux
 # transformer (worker.pipelines.tiny.files).
 # 9: the tiny TAESD answers mid-grey with a spread, not black (tiny.components.taesd).
-BUILDER_VERSION: Final = 9
+# 10: tiny-wan and tiny-ltx (worker.pipelines.tiny.wan, ltx), the video families.
+BUILDER_VERSION: Final = 10
 STAMP_FILE: Final = "kiln_tiny.json"
 
 # Everything the build makes, from the families' rows: the tiny pipelines (one a family, and

@@ -25,8 +25,9 @@ from transformers import T5EncoderModel
 from worker.pipelines.tiny.components import T5_HIDDEN, seeded, t5_config
 from worker.pipelines.tiny.tokenizers import t5_tokenizer
 
-# LTX-Video's 128 latent channels, shrunk; the transformer reads them unpatched (patch 1).
-LTX_LATENT_CHANNELS: Final = 16
+# LTX-Video's 128 latent channels, as the real VAE has them (previews read them through ComfyUI's
+# 128-row table, worker.pipelines.latent_preview); the transformer reads them unpatched (patch 1).
+LTX_LATENT_CHANNELS: Final = 128
 # LTXPipeline's max_sequence_length and the real tokenizer's model_max_length.
 LTX_T5_MAX_LENGTH: Final = 128
 
@@ -54,7 +55,7 @@ def _transformer() -> LTXVideoTransformer3DModel:
         num_attention_heads=heads,
         attention_head_dim=head_dim,
         cross_attention_dim=heads * head_dim,
-        num_layers=1,
+        num_layers=2,  # two blocks: First Block Cache needs a block after its first
         caption_channels=T5_HIDDEN,
     )
 
