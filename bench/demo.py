@@ -2,7 +2,7 @@
 
 Builds the tiny models, uses KILN_REDIS_URL or starts a private Redis, enqueues a small prompt
 suite, runs `kiln worker --burst` with a progress display, and ends with a table of per-job
-phase timings and where the images and the timing log are.
+phase timings, each video's file, frames and fps, and where the images and the timing log are.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from redis import Redis
@@ -21,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from api_client import KilnClient, RenderFailed  # noqa: E402
+from api_client import KilnClient, KilnJob, RenderFailed, RenderResult  # noqa: E402
+from api_client.schema import VideoFile  # noqa: E402
 from worker.ops.display import phase_table, wide_console  # noqa: E402
 from worker.ops.report import summarize, summary_table  # noqa: E402
 from worker.render.timings import read_records  # noqa: E402
@@ -86,8 +88,9 @@ def run(url: str, suite_path: Path, started: float) -> int:
     client = KilnClient(url, manifests_dir=settings.manifests)
     jobs = [client.submit(request) for request in suite["jobs"]]
     # A hires pass's upscaler is a model its worker serves too.
-    upscalers = {(r.get("hires") or {}).get("upscaler") for r in suite["jobs"]} - {None, "latent"}
-    models = sorted({request["model"] for request in suite["jobs"]} | upscalers)
+    hires = [r.get("hires") or {} for r in suite["jobs"]]
+    upscalers = {str(h["upscaler"]) for h in hires if h.get("upscaler") not in (None, "latent")}
+    models = sorted({str(request["model"]) for request in suite["jobs"]} | upscalers)
     console.print(f"[bold]queued[/]: {len(jobs)} jobs from {suite_path} on {len(models)} queues")
 
     # 4. One burst worker, its JSON log lines kept in run/worker.log.
@@ -101,7 +104,7 @@ def run(url: str, suite_path: Path, started: float) -> int:
             stderr=subprocess.STDOUT,
             env=os.environ.copy(),
         )
-        failed = follow(jobs, worker)
+        failed, results = follow(jobs, worker)
     if worker.returncode != 0:
         console.print(f"[red]worker exited with {worker.returncode}; see {log_path}[/]")
         return 1
@@ -111,6 +114,8 @@ def run(url: str, suite_path: Path, started: float) -> int:
     records = [r for r in read_records(settings.timings_log) if r.job_id in ids]
     console.print(phase_table(records, title="per-job phase timings (seconds)"))
     console.print(summary_table(summarize(records)))
+    for line in video_lines(video for result in results for video in result.videos):
+        console.print(line)
     console.print(f"[bold]images[/]: {settings.output_dir.resolve()}/<job id>/")
     console.print(
         f"[bold]timing log[/]: {settings.timings_log.resolve()} (`kiln timings` reads it)"
@@ -122,9 +127,20 @@ def run(url: str, suite_path: Path, started: float) -> int:
     return 1 if failed else 0
 
 
-def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-arg]
-    """Draw overall and per-job progress until the burst worker exits; return failures."""
+def video_lines(videos: Iterable[VideoFile]) -> list[str]:
+    """One line a video: its file, size, container, frames, frames a second and length."""
+    return [
+        f"[bold]video[/]: {video.path} ({video.width}x{video.height} {video.format}, "
+        f"{video.frames} frames at {video.fps} fps, {video.duration_s:.2f} s)"
+        for video in videos
+    ]
+
+
+def follow(jobs: list[KilnJob], worker: subprocess.Popen[bytes]) -> tuple[int, list[RenderResult]]:
+    """Draw overall and per-job progress until the burst worker exits; return the failures and
+    the finished jobs' results, in the order they finished."""
     failed = 0
+    results: list[RenderResult] = []
     pending = list(jobs)
     with Progress(
         TextColumn("[bold]{task.description:<28}"),
@@ -139,13 +155,14 @@ def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-ar
             for job in list(pending):
                 try:
                     result = job.result()
+                    if result is None:
+                        continue
+                    results.append(result)
                 except RenderFailed as exc:
                     console.print(f"[red]failed[/] {exc}")
                     failed += 1
-                    result = True
-                if result is not None:
-                    pending.remove(job)
-                    bar.advance(overall)
+                pending.remove(job)
+                bar.advance(overall)
             if pending:
                 progress = pending[0].progress()
                 if progress is not None:
@@ -161,9 +178,9 @@ def follow(jobs: list, worker: subprocess.Popen) -> int:  # type: ignore[type-ar
                 # The worker is gone with jobs left: nothing more will happen to them.
                 for job in pending:
                     console.print(f"[red]not run[/] {job.id} (status {job.status()})")
-                return failed + len(pending)
+                return failed + len(pending), results
             time.sleep(0.1)
-    return failed
+    return failed, results
 
 
 if __name__ == "__main__":
