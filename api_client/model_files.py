@@ -48,8 +48,10 @@ def is_single_file(source: str) -> bool:
 
 class ComponentFile(BaseModel):
     """One component from its own file: `components: {transformer: {file, gb}}`. file: a path
-    under KILN_MODELS_DIR (or absolute), or owner/repo/path/file on the hub; safetensors or GGUF
-    (city96's; diffusers' GGUF quantizer computes in the worker's dtype). gb: its size as held."""
+    under KILN_MODELS_DIR (or absolute), or owner/repo/path/file on the hub; safetensors (bf16,
+    fp16, or fp8 e4m3 as ComfyUI ships it: held in fp8, each layer cast up to the worker's dtype
+    as it runs) or GGUF (city96's; diffusers' GGUF quantizer computes in the worker's dtype).
+    gb: its size as held."""
 
     model_config = ConfigDict(extra="forbid")
 

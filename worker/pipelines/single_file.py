@@ -112,10 +112,11 @@ def read_weights(
         config = weights_source(manifest, models_dir, manifest.config).location
         single = {k: v for k, v in kwargs.items() if k not in ("use_safetensors", "revision")}
         if "text_encoder_2" not in single:
-            single.update(_sgm_open_clip(path, config, dtype))
+            single.update(_second_clip(path, config, dtype))
         read.pipe = pipeline_cls.from_single_file(
             str(path), config=config, local_files_only=offline(), **single
         )
+        _as_from_pretrained(read.pipe)
         read.notes.append(f"one checkpoint file {path.name}, configs from {manifest.config}")
         return read
     source = weights_source(manifest, models_dir)
@@ -126,30 +127,56 @@ def read_weights(
 
 
 SGM_OPEN_CLIP = "conditioner.embedders.1.model."
+SD3_CLIP_G = "text_encoders.clip_g.transformer."
 
 
-def _sgm_open_clip(path: Path, config: str, dtype: torch.dtype) -> dict[str, Any]:
-    """An SGM file's second text encoder (OpenCLIP-G), read through diffusers' OpenCLIP
-    converter: diffusers picks a CLIP converter by the encoders' widths, and takes CLIP-L's for
-    a model whose two encoders are equally wide (the tiny sdxl's). {} for other files."""
+def _second_clip(path: Path, config: str, dtype: torch.dtype) -> dict[str, Any]:
+    """An SGM file's second text encoder (OpenCLIP-G) or an SD3 file's (CLIP-G), read through
+    diffusers' converter for it: diffusers picks a CLIP converter by the encoders' widths, and
+    takes CLIP-L's for a model whose two encoders are equally wide (the tiny sdxl's and sd3's).
+    {} for other files."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        names = [k for k in handle.keys() if k.startswith(SGM_OPEN_CLIP)]  # noqa: SIM118
-        if not names:
+        prefix = next((p for p in (SGM_OPEN_CLIP, SD3_CLIP_G) if _has_prefix(handle, p)), None)
+        if prefix is None:
             return {}
-        tensors = {k: handle.get_tensor(k) for k in names}
-    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+        tensors = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)}  # noqa: SIM118
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_open_clip_checkpoint,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     text_config = CLIPTextConfig.from_pretrained(
         config, subfolder="text_encoder_2", local_files_only=offline()
     )
     model = CLIPTextModelWithProjection(text_config)
-    state = convert_open_clip_checkpoint(model, tensors, prefix=SGM_OPEN_CLIP)
+    if prefix == SGM_OPEN_CLIP:
+        state = convert_open_clip_checkpoint(model, tensors, prefix=prefix)
+    else:
+        state = convert_ldm_clip_checkpoint(tensors, prefix)
     model.load_state_dict(state, strict=True)
     encoder: torch.nn.Module = model
     return {"text_encoder_2": encoder.to(dtype=dtype).eval()}
+
+
+def _has_prefix(handle: Any, prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in handle.keys())  # noqa: SIM118
+
+
+def _as_from_pretrained(pipe: Any) -> None:
+    """What from_pretrained leaves and from_single_file does not: every module in eval mode
+    (diffusers' T5 reader leaves SD3's T5 training, its dropout on: a prompt's embeddings
+    differed run to run), and a T5's token embedding tied (SD3's files hold it twice, shared and
+    encoder.embed_tokens; loaded untied it is two tensors, T5-XXL's 32128 x 4096 each)."""
+    from transformers import PreTrainedModel
+
+    for component in pipe.components.values():
+        if isinstance(component, PreTrainedModel):
+            component.tie_weights()
+        if isinstance(component, torch.nn.Module):
+            component.eval()
 
 
 def read_component(
@@ -177,13 +204,26 @@ def read_component(
         "torch_dtype": dtype,
         "local_files_only": offline(),
     }
-    held = None
+    checkpoint: Any = str(path)
+    held: str | None
     if spec.gguf:
         from diffusers import GGUFQuantizationConfig
 
         options["quantization_config"] = GGUFQuantizationConfig(compute_dtype=dtype)
         held = f"gguf-{gguf_kind(path)}"
-    return component_cls.from_single_file(str(path), **options), held
+    else:
+        held = fp8_kind(path, where)
+    if held is not None and name in manifest.quantize:
+        raise ValueError(f"{where}: holds {held} weights; drop {name} from quantize")
+    if component_cls is diffusers.FluxTransformer2DModel:
+        settings = component_cls.load_config(config, subfolder=name, local_files_only=offline())
+        checkpoint = bfl_flux_at_width(path, settings)
+    model = component_cls.from_single_file(checkpoint, **options)
+    if held in FP8_STORAGE:
+        # Stored as the file holds it, each layer cast up to the worker's dtype as it runs (what
+        # ComfyUI does where the card has no fp8 math): resident at the file's size.
+        model.enable_layerwise_casting(storage_dtype=FP8_STORAGE[held], compute_dtype=dtype)
+    return model, held
 
 
 def _component_class(pipeline_cls: Any, name: str) -> str:
@@ -209,3 +249,78 @@ def gguf_kind(path: Path) -> str:
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
     )
     return kinds.most_common(1)[0][0] if kinds else "F16"
+
+
+# What a safetensors component's float8 weights are called in the record, and held as.
+FP8_STORAGE: dict[str, torch.dtype] = {
+    "fp8-e4m3": torch.float8_e4m3fn,
+    "fp8-e5m2": torch.float8_e5m2,
+}
+_FP8_HEADER = {"F8_E4M3": "fp8-e4m3", "F8_E5M2": "fp8-e5m2"}
+
+
+def fp8_kind(path: Path, where: str) -> str | None:
+    """fp8-e4m3 (or -e5m2) for a safetensors file whose 2-D weights are mostly float8, as
+    ComfyUI's fp8 checkpoints are (a plain cast); None for bf16, fp16 or fp32. ComfyUI's
+    "scaled" fp8 files, with a scale_weight a layer, are refused: diffusers would load their
+    weights without the scales."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        names = list(handle.keys())
+        kinds = Counter(
+            handle.get_slice(k).get_dtype()
+            for k in names
+            if len(handle.get_slice(k).get_shape()) == 2
+        )
+    if any(k.endswith(".scale_weight") or k == "scaled_fp8" for k in names):
+        raise ValueError(
+            f"{where}: {path.name} is a scaled fp8 file (a scale_weight a layer), which diffusers"
+            " does not read; use a plain float8_e4m3fn file or the bf16 one"
+        )
+    kind = kinds.most_common(1)[0][0] if kinds else None
+    return _FP8_HEADER.get(kind or "")
+
+
+# diffusers' BFL converter splits each single block's fused linear1 into q, k, v and the MLP's
+# input at FLUX.1's width, hard-coded (single_file_utils.py, convert_flux_transformer_checkpoint_
+# to_diffusers: inner_dim = 3072, split_size = (inner_dim, inner_dim, inner_dim, mlp_hidden_dim)).
+FLUX1_WIDTH = 3072
+FLUX1_LINEAR1_ROWS = 3 * FLUX1_WIDTH + 4 * FLUX1_WIDTH
+
+
+def bfl_flux_at_width(path: Path, config: dict[str, Any]) -> Any:
+    """A FLUX.1 transformer file as from_single_file takes it: the path itself at FLUX.1's width;
+    at another (a tiny one), a BFL-layout file converted by diffusers' converter save for the
+    single blocks' linear1, which is split here at the config's width and handed to the
+    converter as an empty stand-in of FLUX.1's rows."""
+    width = int(config["num_attention_heads"] * config["attention_head_dim"])
+    if width == FLUX1_WIDTH:
+        return str(path)
+    from diffusers.loaders.single_file_utils import (
+        convert_flux_transformer_checkpoint_to_diffusers,
+        load_single_file_checkpoint,
+    )
+
+    checkpoint = load_single_file_checkpoint(str(path), local_files_only=True)
+    checkpoint = {k.removeprefix("model.diffusion_model."): v for k, v in checkpoint.items()}
+    if not any(k.startswith("double_blocks.") for k in checkpoint):
+        return checkpoint  # in diffusers' names already
+    pieces: dict[str, torch.Tensor] = {}
+    for key in [k for k in checkpoint if k.startswith("single_blocks.") and ".linear1." in k]:
+        block, kind = f"single_transformer_blocks.{key.split('.')[1]}.", key.rpartition(".")[2]
+        fused = checkpoint[key]
+        sizes = (width, width, width, fused.shape[0] - 3 * width)
+        names = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+        pieces.update(
+            dict(zip((f"{block}{n}.{kind}" for n in names), fused.split(sizes), strict=True))
+        )
+        stand_in = (FLUX1_LINEAR1_ROWS, 0) if fused.ndim == 2 else (FLUX1_LINEAR1_ROWS,)
+        checkpoint[key] = torch.empty(stand_in)
+    converted: dict[str, torch.Tensor] = convert_flux_transformer_checkpoint_to_diffusers(
+        checkpoint
+    )
+    converted.update(pieces)
+    return converted

@@ -5,11 +5,15 @@ so a test can hold each loader to the pixels of the diffusers-layout pipeline it
   names (lora_unet_<module path, dots as underscores>.lora_down/.lora_up/.alpha);
 - tiny-sd15.safetensors beside <tiny-sd15>: the whole pipeline in one LDM-layout file;
 - tiny-sdxl.safetensors beside <tiny-sdxl>: the whole pipeline in one SGM-layout file;
-- <tiny-flux>/tiny-flux-transformer-Q8_0.gguf: the transformer in BFL's key layout, Q8_0.
+- tiny-sd3.safetensors beside <tiny-sd3>: the whole pipeline in one file, SD3's layout;
+- <tiny-flux>/tiny-flux-transformer-Q8_0.gguf: the transformer in diffusers' names, Q8_0;
+- <tiny-flux>/tiny-flux-transformer.safetensors: the transformer in BFL's layout, as stored;
+- <tiny-flux>/tiny-flux-transformer-fp8-e4m3.safetensors: the same in float8 e4m3.
 
 diffusers ships the original-to-diffusers direction only; the layouts' tables here are the
 inverse, ported from diffusers' scripts/convert_diffusers_to_original_stable_diffusion.py and
-convert_diffusers_to_original_sdxl.py."""
+convert_diffusers_to_original_sdxl.py, and for SD3 and FLUX.1 read backwards from
+diffusers.loaders.single_file_utils' converters."""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from safetensors.torch import load_file, save_file
 KOHYA_LORA: Final = "tiny-sd15-lora-kohya.safetensors"
 KOHYA_FROM: Final = "detail"  # the tiny PEFT LoRA the kohya file is converted from
 GGUF_TRANSFORMER: Final = "tiny-flux-transformer-Q8_0.gguf"
+BFL_TRANSFORMER: Final = "tiny-flux-transformer.safetensors"
+FP8_TRANSFORMER: Final = "tiny-flux-transformer-fp8-e4m3.safetensors"
 
 
 def save_model_files(directory: Path, lora_weight_name: str) -> None:
@@ -37,6 +43,8 @@ def save_model_files(directory: Path, lora_weight_name: str) -> None:
         kohya_lora(peft_file, directory / "loras" / KOHYA_LORA)
     if pipeline == "FluxPipeline":
         gguf_transformer(directory / "transformer", directory / GGUF_TRANSFORMER)
+        save_file(bfl_flux_file(directory), directory / BFL_TRANSFORMER)
+        save_file(bfl_flux_fp8_file(directory), directory / FP8_TRANSFORMER)
     if pipeline in SINGLE_FILES:
         # Beside the pipeline's directory, not in it (a tiny pipeline stays under 10 MB): written
         # under a dot name and renamed, so a reader never sees half a file.
@@ -104,9 +112,10 @@ def sgm_file(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _text_model(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CLIP-L's keys as the original files hold them, under text_model. (transformers 5.6+
-    saves a CLIPTextModel flattened, without it)."""
-    return {k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in text.items()}
+    """A CLIP text model's keys as the original files hold them, under text_model. (transformers
+    5.6+ saves a CLIPTextModel flattened, without it); a projection beside it, as it is."""
+    kept = ("text_model.", "text_projection.")
+    return {k if k.startswith(kept) else f"text_model.{k}": v for k, v in text.items()}
 
 
 def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -248,12 +257,6 @@ def clip_to_openclip(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-SINGLE_FILES: Final = {
-    "StableDiffusionPipeline": ("tiny-sd15.safetensors", ldm_file),
-    "StableDiffusionXLPipeline": ("tiny-sdxl.safetensors", sgm_file),
-}
-
-
 def gguf_transformer(folder: Path, out: Path) -> None:
     """A FluxTransformer2DModel as city96's GGUF files hold one: its 2-D weights in Q8_0 (blocks
     of 32 along a row), biases and norms in F32. The keys are diffusers' own, not BFL's:
@@ -274,3 +277,201 @@ def gguf_transformer(folder: Path, out: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def sd3_file(directory: Path) -> dict[str, torch.Tensor]:
+    """An SD3 pipeline in one file as stabilityai's sd3.5_medium.safetensors holds it: the MMDiT
+    under model.diffusion_model. (SD3's own names), the VAE under first_stage_model. (LDM's), the
+    text encoders under text_encoders.clip_l / clip_g / t5xxl.transformer. (transformers')."""
+    transformer, transformer_config = _weights(directory, "transformer")
+    vae, vae_config = _weights(directory, "vae")
+    encoders = {
+        "clip_l": _text_model(_weights(directory, "text_encoder")[0]),
+        "clip_g": _text_model(_weights(directory, "text_encoder_2")[0]),
+        "t5xxl": _t5_embeddings(_weights(directory, "text_encoder_3")[0]),
+    }
+    tensors = {
+        **_prefixed("model.diffusion_model.", mmdit_to_sd3(transformer, transformer_config)),
+        **_prefixed("first_stage_model.", vae_to_ldm(vae, vae_config)),
+    }
+    for name, encoder in encoders.items():
+        tensors.update(_prefixed(f"text_encoders.{name}.transformer.", encoder))
+    return tensors
+
+
+def _t5_embeddings(t5: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """T5's token embedding under both its names, as SD3's files hold it (transformers saves
+    the tied encoder.embed_tokens once, as shared; diffusers' T5 reader ties nothing)."""
+    return {"encoder.embed_tokens.weight": t5["shared.weight"], **t5}
+
+
+def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """The original AdaLayerNormContinuous splits its projection (shift, scale), diffusers'
+    (scale, shift): diffusers' converters swap the halves, which is its own inverse."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+def _fuse(
+    tensors: dict[str, torch.Tensor], parts: tuple[str, ...], into: str
+) -> dict[str, torch.Tensor]:
+    """One original layer's weight and bias from diffusers' separate layers (q, k, v, ...),
+    concatenated along the output rows in the order given."""
+    fused = {}
+    for kind in ("weight", "bias"):
+        if f"{parts[0]}.{kind}" in tensors:
+            fused[f"{into}.{kind}"] = torch.cat([tensors[f"{p}.{kind}"] for p in parts])
+    return fused
+
+
+def _layers(
+    tensors: dict[str, torch.Tensor], names: dict[str, str], prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """Each listed diffusers layer (under prefix) that the model has, under its original name:
+    its weight, bias or RMSNorm scale."""
+    out = {}
+    for new, old in names.items():
+        for key in (k for k in tensors if k.startswith(f"{prefix}{new}.")):
+            out[old + key[len(prefix + new) :]] = tensors[key]
+    return out
+
+
+SD3_LAYERS: Final = {
+    "pos_embed.proj": "x_embedder.proj",
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "context_embedder": "context_embedder",
+    "proj_out": "final_layer.linear",
+}
+SD3_BLOCK: Final = {
+    "attn.norm_q": "x_block.attn.ln_q",
+    "attn.norm_k": "x_block.attn.ln_k",
+    "attn.norm_added_q": "context_block.attn.ln_q",
+    "attn.norm_added_k": "context_block.attn.ln_k",
+    "attn.to_out.0": "x_block.attn.proj",
+    "attn.to_add_out": "context_block.attn.proj",
+    "attn2.norm_q": "x_block.attn2.ln_q",
+    "attn2.norm_k": "x_block.attn2.ln_k",
+    "attn2.to_out.0": "x_block.attn2.proj",
+    "norm1.linear": "x_block.adaLN_modulation.1",
+    "ff.net.0.proj": "x_block.mlp.fc1",
+    "ff.net.2": "x_block.mlp.fc2",
+    "ff_context.net.0.proj": "context_block.mlp.fc1",
+    "ff_context.net.2": "context_block.mlp.fc2",
+}
+
+
+def mmdit_to_sd3(mmdit: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """An SD3Transformer2DModel in SD3's original names (joint_blocks.N.x_block / context_block,
+    q, k and v in one qkv), the inverse of diffusers' convert_sd3_transformer_checkpoint_to_
+    diffusers: the last block's context modulation and the final one have their halves swapped."""
+    out = {"pos_embed": mmdit["pos_embed.pos_embed"], **_layers(mmdit, SD3_LAYERS)}
+    out["final_layer.adaLN_modulation.1.weight"] = _swap_halves(mmdit["norm_out.linear.weight"])
+    out["final_layer.adaLN_modulation.1.bias"] = _swap_halves(mmdit["norm_out.linear.bias"])
+    last = config["num_layers"] - 1
+    for i in range(config["num_layers"]):
+        block, joint = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        fused = {
+            "x_block.attn.qkv": tuple(f"{block}attn.to_{p}" for p in "qkv"),
+            "context_block.attn.qkv": tuple(f"{block}attn.add_{p}_proj" for p in "qkv"),
+            "x_block.attn2.qkv": tuple(f"{block}attn2.to_{p}" for p in "qkv"),
+        }
+        for into, parts in fused.items():
+            if f"{parts[0]}.weight" in mmdit:
+                out.update(_fuse(mmdit, parts, joint + into))
+        names = {k: joint + v for k, v in SD3_BLOCK.items()}
+        out.update(_layers(mmdit, names, block))
+        context = {
+            f"{joint}context_block.adaLN_modulation.1.{kind}": mmdit[
+                f"{block}norm1_context.linear.{kind}"
+            ]
+            for kind in ("weight", "bias")
+        }
+        if i == last:
+            context = {k: _swap_halves(v) for k, v in context.items()}
+        out.update(context)
+    return out
+
+
+def bfl_flux_file(directory: Path) -> dict[str, torch.Tensor]:
+    """tiny-flux's transformer as BFL's flux1-dev.safetensors holds FLUX.1's, stored as saved."""
+    transformer, config = _weights(directory, "transformer")
+    return flux_to_bfl(transformer, config)
+
+
+def bfl_flux_fp8_file(directory: Path) -> dict[str, torch.Tensor]:
+    """The same in float8 e4m3, as ComfyUI's fp8 FLUX.1 files hold it (a plain cast, no
+    per-tensor scales): the layers' 2-D weights in float8_e4m3fn, biases and norms in bf16."""
+    return {
+        k: v.to(torch.float8_e4m3fn if v.ndim == 2 else torch.bfloat16)
+        for k, v in bfl_flux_file(directory).items()
+    }
+
+
+FLUX_LAYERS: Final = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "proj_out": "final_layer.linear",
+}
+FLUX_DOUBLE: Final = {
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "attn.norm_q": "img_attn.norm.query_norm",
+    "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm",
+    "attn.norm_added_k": "txt_attn.norm.key_norm",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+}
+FLUX_SINGLE: Final = {
+    "norm.linear": "modulation.lin",
+    "attn.norm_q": "norm.query_norm",
+    "attn.norm_k": "norm.key_norm",
+    "proj_out": "linear2",
+}
+
+
+def flux_to_bfl(flux: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel in BFL's names (double_blocks, single_blocks, img_in, txt_in,
+    ...), the inverse of diffusers' convert_flux_transformer_checkpoint_to_diffusers: q, k and v
+    in one qkv, a single block's q, k, v and MLP input in one linear1, RMSNorm weights as
+    .scale, the final modulation's halves swapped."""
+    out = _layers(flux, FLUX_LAYERS)
+    out["final_layer.adaLN_modulation.1.weight"] = _swap_halves(flux["norm_out.linear.weight"])
+    out["final_layer.adaLN_modulation.1.bias"] = _swap_halves(flux["norm_out.linear.bias"])
+    for i in range(config["num_layers"]):
+        block, double = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for side, layer in (("img", "to_{}"), ("txt", "add_{}_proj")):
+            layers = tuple(f"{block}attn.{layer.format(p)}" for p in "qkv")
+            out.update(_fuse(flux, layers, f"{double}{side}_attn.qkv"))
+        out.update(_layers(flux, {k: double + v for k, v in FLUX_DOUBLE.items()}, block))
+    for i in range(config["num_single_layers"]):
+        block, single = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        parts = (*(f"{block}attn.to_{p}" for p in "qkv"), f"{block}proj_mlp")
+        out.update(_fuse(flux, parts, f"{single}linear1"))
+        out.update(_layers(flux, {k: single + v for k, v in FLUX_SINGLE.items()}, block))
+    return {_norm_scale(k): v for k, v in out.items()}
+
+
+def _norm_scale(key: str) -> str:
+    """BFL's RMSNorm holds its weight as .scale."""
+    return key.removesuffix(".weight") + ".scale" if key.endswith("_norm.weight") else key
+
+
+SINGLE_FILES: Final = {
+    "StableDiffusionPipeline": ("tiny-sd15.safetensors", ldm_file),
+    "StableDiffusionXLPipeline": ("tiny-sdxl.safetensors", sgm_file),
+    "StableDiffusion3Pipeline": ("tiny-sd3.safetensors", sd3_file),
+}
