@@ -148,9 +148,19 @@ class Ceiling:
     clean_jobs: int = 0  # jobs at this size since, none of them out of memory
 
 
+# A job's size as the ladder remembers it: (width, height, frames), frames 0 for an image job.
+Size = tuple[int, int, int]
+
+
+def size_text(size: Size) -> str:
+    width, height, frames = size
+    return f"{width}x{height}" + (f"x{frames}f" if frames else "")
+
+
 @dataclass
 class RungMemory:
-    """Per (model, width, height), the rung a size was pushed down to by an out-of-memory error.
+    """Per (model, width, height, frames), the rung a size was pushed down to by an out-of-memory
+    error: a 33-frame video's ceiling is not a 9-frame one's at the same width and height.
 
     A ceiling is forgotten, so the next job at that size tries higher again, after
     `forget_after` clean jobs at that size, or when the memory the model may plan with has
@@ -160,12 +170,10 @@ class RungMemory:
 
     forget_after: int = 50
     grown_gb: float = 1.0
-    _ceilings: dict[tuple[str, int, int], Ceiling] = field(default_factory=dict)
+    _ceilings: dict[tuple[str, Size], Ceiling] = field(default_factory=dict)
 
-    def get(
-        self, model_id: str, width: int, height: int, usable_gb: float | None = None
-    ) -> Rung | None:
-        key = (model_id, width, height)
+    def get(self, model_id: str, size: Size, usable_gb: float | None = None) -> Rung | None:
+        key = (model_id, size)
         ceiling = self._ceilings.get(key)
         if ceiling is None:
             return None
@@ -174,22 +182,21 @@ class RungMemory:
             return None
         return ceiling.rung
 
-    def ceilings(self, model_id: str) -> dict[tuple[int, int], Rung]:
+    def ceilings(self, model_id: str) -> dict[Size, Rung]:
         """Every size of this model held below the top of the ladder, with its ceiling."""
-        return {(w, h): c.rung for (m, w, h), c in self._ceilings.items() if m == model_id}
+        return {size: c.rung for (m, size), c in self._ceilings.items() if m == model_id}
 
     def remember(
         self,
         model_id: str,
-        width: int,
-        height: int,
+        size: Size,
         rung: Rung,
         *,
         pushed_down: bool = True,
         usable_gb: float = 0.0,
     ) -> None:
         """A job at this size succeeded at rung; pushed_down when a higher rung failed first."""
-        key = (model_id, width, height)
+        key = (model_id, size)
         if pushed_down:
             self._ceilings[key] = Ceiling(rung, usable_gb)
             return
@@ -205,7 +212,7 @@ def choose_rung(
     manifest: Manifest,
     resident: _Resident | None,
     ceiling: Rung | None,
-    ceilings: dict[tuple[int, int], Rung],
+    ceilings: dict[Size, Rung],
     usable: float,
     fit: Fit = Fit(),
 ) -> RungChoice:
@@ -230,7 +237,7 @@ def choose_rung(
     if rung_rank(resident.rung) <= rung_rank(estimate.rung):
         return RungChoice(resident.rung, "already resident", usable)
     held = [
-        f"{w}x{h}" for (w, h), r in ceilings.items() if rung_rank(r) >= rung_rank(resident.rung)
+        size_text(size) for size, r in ceilings.items() if rung_rank(r) >= rung_rank(resident.rung)
     ]
     if held:
         why = f"already resident at {resident.rung}: {', '.join(held)} remembered at or below it"

@@ -9,9 +9,11 @@ bytes (measured, not a share), and nothing but the overflow ever crosses the bus
 that the text encoders must leave too takes model_offload, the next rung down.
 
 The blocks are the items of the denoiser's top-level ModuleLists, in forward order: the
-transformers' (double and single) transformer blocks, the UNet's down and up blocks. They are
-kept resident in that order while their parameter bytes, plus MARGIN, fit what is left of the
-usable memory once everything else is counted; at least one always stays, and one streams."""
+transformers' (double and single) transformer blocks, the video DiTs' (WanTransformer3DModel's
+`blocks`, LTXVideoTransformer3DModel's `transformer_blocks`), the UNet's down and up blocks.
+They are kept resident in that order while their parameter bytes, plus MARGIN, fit what is left
+of the usable memory once everything else is counted; at least one always stays, and one
+streams, except in a denoiser of one block, which streams it (keeping it would be full again)."""
 
 from __future__ import annotations
 
@@ -74,10 +76,11 @@ def plan_split(block_bytes: list[int], usable_gb: float, full_need_gb: float) ->
         resident += 1
     count = len(block_bytes)
     # At least one block stays, and one streams: a split that streams nothing is full, which the
-    # ladder tried first (or which failed: this rung is what it descended to).
+    # ladder tried first (or which failed: this rung is what it descended to). One block streams.
     bound = " (at least one stays)" if resident == 0 else ""
     bound = " (at least one streams)" if resident >= count else bound
-    resident = min(max(resident, 1), max(count - 1, 1))
+    bound = " (its only block streams)" if count == 1 else bound
+    resident = min(max(resident, 1), count - 1)
     reason = (
         f"{resident} of {count} denoiser blocks resident{bound},"
         f" {count - resident} streamed: {usable_gb:.3f} GB usable, {others_gb:.3f} GB"

@@ -1,6 +1,7 @@
 """Placement from kiln's own measurements: the memory every job took, per card kind and job shape
-(model, size, dtype, quantization, mode) and rung, shared through Redis (kiln:peaks) so the next
-worker on the same kind of card starts informed, and turned into each rung's need.
+(model, size, dtype, quantization, mode, a video's frames) and rung, shared through Redis
+(kiln:peaks) so the next worker on the same kind of card starts informed, and turned into each
+rung's need.
 
 A job's measurement is two numbers: what its pipeline held on the device at that rung (measured
 at load: allocated after minus before) and what the job added on top (its peak minus what was
@@ -17,6 +18,7 @@ figure deleted from Redis stops blocking a worker that already read it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -41,6 +43,7 @@ GB = 1e9  # the ladder's unit (worker.memory.ladder.GB): needs are compared with
 PLAUSIBLE_GB = 4 * max(p.total_gib for p in PROFILES.values()) * GIB / GB
 REREAD_S = 5.0  # the memory gate's question reads kiln:peaks again at most this often
 SKIPPED_MAX = 1000  # ignored fields remembered as logged; past it they are logged again
+FRAMES = "|frames="  # a video shape's last part: "<shape>|frames=<n>"
 
 
 class Peak(BaseModel):
@@ -75,6 +78,9 @@ class Shape:
     controls: tuple[str, ...] = ()
     reference: bool = False  # an IP-Adapter beside it: its weights and the image encoder's pass
     hires: str = ""  # a hires pass's final size ("256x256"): its second pass's activations
+    # A video job's frame count (0 for an image job): its latents, activations and decoded
+    # frames grow with it. Last in the field, so the other frame counts of a shape are found.
+    frames: int = 0
 
     @property
     def field(self) -> str:
@@ -84,9 +90,10 @@ class Shape:
         control = f"|controls={','.join(self.controls)}" if self.controls else ""
         control += "|reference" if self.reference else ""
         hires = f"|hires={self.hires}" if self.hires else ""
+        frames = f"{FRAMES}{self.frames}" if self.frames else ""
         return (
             f"{self.model}|{self.width}x{self.height}|{self.dtype}|{quant}|{self.mode}"
-            f"{cached}{control}{hires}"
+            f"{cached}{control}{hires}{frames}"
         )
 
 
@@ -197,8 +204,28 @@ class PeakBook:
         self.observe(shape, rung, floor)
 
     def needs_gb(self, shape: Shape) -> dict[str, float]:
-        """Each rung's need in GB for this shape, margin included, where anything is measured."""
-        return needs_from(self.measured(shape.field))
+        """Each rung's need in GB for this shape, margin included, where anything is measured.
+        A video shape's rung not measured at its frame count is fitted from the counts that
+        were (by_frames)."""
+        measured = self.measured(shape.field)
+        if shape.frames:
+            base = dataclasses.replace(shape, frames=0).field
+            for rung in rungs.names():
+                if rung not in measured:
+                    fitted = by_frames(self._frame_counts(base, rung), shape.frames)
+                    if fitted is not None:
+                        measured[rung] = fitted
+        return needs_from(measured)
+
+    def _frame_counts(self, base: str, rung: str) -> dict[int, Peak]:
+        """Frame count -> what was measured at this rung for the video shape base (no frames)."""
+        found: dict[int, Peak] = {}
+        prefix, suffix = f"{base}{FRAMES}", f"|{rung}"
+        for key, peak in self.peaks.items():
+            count = key[len(prefix) : -len(suffix)]
+            if key.startswith(prefix) and key.endswith(suffix) and count.isdigit():
+                found[int(count)] = peak
+        return found
 
     def measured(self, shape: str) -> dict[str, Peak]:
         """Rung -> what was measured for this shape ("<model>|<WxH>|...")."""
@@ -241,6 +268,45 @@ def lowest_need_gb(book: PeakBook, model: str) -> float | None:
         if need is not None:
             found.append(need)
     return min(found, default=None)
+
+
+def by_frames(measured: dict[int, Peak], frames: int) -> Peak | None:
+    """A rung's peak at a frame count not measured, from the counts that were (frames -> Peak).
+
+    A video job's working memory grows about linearly with its frames: the latents, the
+    denoiser's activations (its tokens are latent frames x cells; SDPA's flash and
+    memory-efficient kernels keep attention linear in them) and the decoded frames; Wan's VAE
+    decodes one latent frame at a time and LTX's tiles in time after an out of memory. What the
+    pipeline holds (resident_bytes) does not change with frames. So, never below the truth of
+    a line a + b x frames with a >= 0: between two measured counts, the line through them; above
+    the largest, its working memory scaled by frames over its count (the line through the
+    origin, above any such line there); below the smallest, the smallest as it is (fewer frames
+    never need more). An out-of-memory floor measured at a count at or under frames holds too.
+    None when no count was measured with a job. The job's own measurement replaces the fit."""
+    floors = [p.oom_above_gb for n, p in measured.items() if n <= frames and p.oom_above_gb]
+    sized = {n: p for n, p in measured.items() if p.jobs}
+    below = max((n for n in sized if n < frames), default=None)
+    above = min((n for n in sized if n > frames), default=None)
+    if below is None and above is None:
+        return None
+    if below is not None and above is not None:
+        low, high = sized[below], sized[above]
+        share = (frames - below) / (above - below)
+        working = low.working_bytes + share * (high.working_bytes - low.working_bytes)
+        held = max(low, high, key=lambda p: p.resident_bytes)
+    elif below is not None:
+        held = sized[below]
+        working = held.working_bytes * frames / below
+    else:
+        assert above is not None
+        held = sized[above]
+        working = held.working_bytes
+    return held.model_copy(
+        update={
+            "working_bytes": math.ceil(working),
+            "oom_above_gb": max(floors, default=None),
+        }
+    )
 
 
 def needs_from(measured: dict[str, Peak]) -> dict[str, float]:

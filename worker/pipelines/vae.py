@@ -4,8 +4,10 @@ after out of memory runs with."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,25 +52,75 @@ def upcast_before_placement(loaded: LoadedPipeline) -> None:
     )
 
 
+NEITHER = "as it was (this VAE has neither tiling nor slicing)"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes for a tiled decode, in the output's pixels and frames; None keeps the VAE's own
+    (diffusers' defaults: AutoencoderKLWan 256 px tiles at a 192 px stride, AutoencoderKLLTXVideo
+    512 / 448 px and 16 / 8 frames). A field is the keyword of the VAE's enable_tiling it sets."""
+
+    tile_sample_min_height: int | None = None
+    tile_sample_min_width: int | None = None
+    tile_sample_stride_height: int | None = None
+    tile_sample_stride_width: int | None = None
+    # Temporal tiles, for a VAE that has them (LTX-Video's; Wan's decodes a latent frame at a time).
+    tile_sample_min_num_frames: int | None = None
+    tile_sample_stride_num_frames: int | None = None
+
+    def given(self) -> dict[str, int]:
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
 @contextmanager
-def tiled(vae: Any) -> Iterator[str]:
+def tiled(vae: Any, tiles: Tiles | None = None) -> Iterator[str]:
     """The VAE with tiling (and slicing, where it has it) on for one decode, then as it was: a
     decode retried after out of memory (worker.memory.ladder's decode rules) trades a little speed
     and seam blending for a bounded peak, and the next job decodes as its load's switches said.
-    Yields what the retry ran with, for the attempt's detail."""
-    switches = (
-        ("use_tiling", "enable_tiling", "tiled"),
-        ("use_slicing", "enable_slicing", "sliced"),
-    )
-    was = {flag: getattr(vae, flag, None) for flag, _, _ in switches}
-    used = []
-    for _flag, enable, word in switches:
-        if hasattr(vae, enable):
-            getattr(vae, enable)()
-            used.append(word)
+
+    A video VAE tiles in time too where it can: LTX-Video's runs its temporal tiles only with
+    use_framewise_decoding on, which no diffusers method sets (0.42.1), so it is set here and put
+    back (in 0.42.1 its frames after the first temporal join come one frame late, a repeated
+    frame and the last one lost: tests/test_video_ladder.py holds that as a strict xfail, so a
+    fixed diffusers shows); Wan's needs nothing more (its decoder always runs one latent frame at
+    a time, so frames never add to the decode's peak beyond the output). tiles, where given,
+    sets the tile sizes for this decode (a ValueError names a size the VAE's enable_tiling does
+    not take). Yields what the retry ran with, for the attempt's detail."""
+    sizes = tiles.given() if tiles is not None else {}
+    _check_sizes(vae, sizes)
+    flags = ("use_tiling", "use_slicing", "use_framewise_decoding", *sizes)
+    was = {flag: getattr(vae, flag) for flag in flags if hasattr(vae, flag)}
     try:
-        yield " and ".join(used) if used else "as it was (this VAE has neither tiling nor slicing)"
+        yield " and ".join(_switch_on(vae, sizes)) or NEITHER
     finally:
         for flag, value in was.items():
-            if value is not None:
-                setattr(vae, flag, value)
+            setattr(vae, flag, value)
+
+
+def _switch_on(vae: Any, sizes: dict[str, int]) -> list[str]:
+    """Tiling (in time too where the VAE has framewise decoding) and slicing; the words for it."""
+    used = []
+    if hasattr(vae, "enable_tiling"):
+        vae.enable_tiling(**sizes)
+        used.append("tiled")
+        if hasattr(vae, "use_framewise_decoding"):
+            vae.use_framewise_decoding = True
+            used[-1] = "tiled (space and time)"
+    if hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+        used.append("sliced")
+    return used
+
+
+def _check_sizes(vae: Any, sizes: dict[str, int]) -> None:
+    if not sizes:
+        return
+    enable = getattr(vae, "enable_tiling", None)
+    takes = set(inspect.signature(enable).parameters) if enable is not None else set()
+    refused = sorted(set(sizes) - takes)
+    if refused:
+        raise ValueError(
+            f"tiles {', '.join(refused)}: {type(vae).__name__}.enable_tiling takes"
+            f" {', '.join(sorted(takes)) or 'no tile sizes'}"
+        )

@@ -23,6 +23,7 @@ from worker.memory.ladder import (
     Fit,
     RungChoice,
     RungMemory,
+    Size,
     choose_rung,
     pick_rung,
     rung_need_gb,
@@ -107,8 +108,7 @@ class Planner:
         room = self.usable_gb()
         # On a plain CPU the rungs save no memory and host memory drifts: no reason to forget.
         grown = room if self.info.accelerator else None
-        size = (request.width or 0, request.height or 0)
-        ceiling = self.rungs.get(manifest.id, *size, usable_gb=grown)
+        ceiling = self.rungs.get(manifest.id, job_size(request), usable_gb=grown)
         ceilings = self.rungs.ceilings(manifest.id)
         choice = choose_rung(manifest, self.cache.get(manifest.id), ceiling, ceilings, room, fit)
         return dataclasses.replace(
@@ -168,6 +168,7 @@ class Planner:
             controls=control.sources(manifest, request),
             reference=request.reference is not None,
             hires="x".join(map(str, hires_size(request))) if request.hires else "",
+            frames=request.frames or 0,
         )
 
     @functools.cached_property
@@ -195,10 +196,9 @@ class Planner:
             shape = self._shape(request, fit)
             for failed in {a.rung for a in attempts if a.outcome == "oom"}:
                 self.peaks.observe_oom(shape, failed, choice.usable_gb)
-        size = (request.width or 0, request.height or 0)
         self.rungs.remember(
             request.model,
-            *size,
+            job_size(request),
             rung,
             pushed_down=pushed_down,
             usable_gb=choice.usable_gb or 0.0,
@@ -236,3 +236,8 @@ class Planner:
         """After an OOM: evict every other pipeline, collect garbage, empty the allocator cache."""
         self.cache.evict_others(keep=keep)
         release_memory(self.info)
+
+
+def job_size(request: RenderRequest) -> Size:
+    """What the ladder remembers a ceiling by: width, height and (a video's) frames."""
+    return (request.width or 0, request.height or 0, request.frames or 0)
