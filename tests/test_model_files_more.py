@@ -147,3 +147,52 @@ def test_an_fp8_file_is_refused_where_it_cannot_be_what_it_holds(
         read_pipeline(
             manifest.model_copy(update={"components": {"transformer": spec}}), info, settings
         )
+
+
+def test_a_lora_on_an_fp8_transformer_computes_in_the_workers_dtype(make_settings: Any) -> None:
+    """PEFT makes a LoRA's layers in the fp8 base layer's dtype; lora_layers_in_compute_dtype
+    makes them the worker's: the LoRA then changes the image, at weight 0 it does not, and it
+    stays as close to tiny-flux with the same LoRA as without it."""
+    from api_client.schema import LoraChoice
+    from worker.pipelines.single_file import lora_layers_in_compute_dtype
+
+    settings = make_settings(quantize="off")
+    info = probe(settings)
+    loras = {"detail": load_manifest_file(MANIFESTS / "tiny-flux.yaml").loras["detail"]}
+    fp8 = read_pipeline(_bare("tiny-flux-fp8").model_copy(update={"loras": loras}), info, settings)
+    full = read_pipeline(_bare("tiny-flux").model_copy(update={"loras": loras}), info, settings)
+    lora_layers_in_compute_dtype(fp8.pipe.transformer, fp8.dtype)
+    shown: list[Any] = []
+    twin: list[Any] = []
+    for ask in ([], [("detail", 1.0)], [("detail", 0.0)]):
+        for loaded, images in ((fp8, shown), (full, twin)):
+            assert loaded.adapters is not None
+            loaded.adapters.apply([LoraChoice(name=n, weight=w) for n, w in ask])
+            images.append(_render(loaded))
+    assert not np.array_equal(shown[0], shown[1]) and np.array_equal(shown[0], shown[2])
+    close = _psnr(twin[1] * 255, shown[1] * 255)
+    assert close >= 35, close
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker.pipelines.release._remove_group_offload takes every diffusers hook off, the"
+    " fp8 component's layerwise casting with them, which diffusers refuses (NotImplementedError:"
+    " LayerwiseCastingHook does not support deinitialization): it must keep that hook",
+)
+def test_an_fp8_transformer_renders_the_same_on_every_rung(
+    redis_conn: Redis, make_settings: Any
+) -> None:
+    """Held in fp8 at full, model_offload and group_offload alike (with release keeping the
+    layerwise-casting hook, measured: the same pixels on each rung)."""
+    settings = make_settings(quantize="off")
+    client = client_for(redis_conn, settings)
+    models = ["tiny-flux-fp8"]
+    base = {"model": "tiny-flux-fp8", "prompt": "a fox", "steps": 2, "seed": 6}
+    rungs = ("full", "model_offload", "group_offload")
+    jobs = [client.submit({**base, "rung": rung}) for rung in rungs]
+    burst(redis_conn, make_renderer(settings, models), models)
+    results = [job.wait(timeout=5) for job in jobs]
+    assert [r.rung for r in results] == list(rungs)
+    shown = [pixels(r.images[0].path) for r in results]
+    assert all(np.array_equal(shown[0], other) for other in shown[1:])

@@ -324,3 +324,18 @@ def bfl_flux_at_width(path: Path, config: dict[str, Any]) -> Any:
     )
     converted.update(pieces)
     return converted
+
+
+def lora_layers_in_compute_dtype(denoiser: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A denoiser held in fp8 (layerwise casting) with LoRA layers made after the casting: PEFT
+    makes each LoRA layer in its base layer's dtype, float8 here, and no hook casts it (diffusers
+    hooks the layers it found when the casting was enabled), so its matmul fails ("mul not
+    implemented for Float8_e4m3fn"). They are made the worker's dtype; nothing for others."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not any(p.dtype in FP8_STORAGE.values() for p in denoiser.parameters()):
+        return
+    for module in denoiser.modules():
+        if isinstance(module, BaseTunerLayer):
+            for layers in (module.lora_A, module.lora_B):
+                layers.to(dtype)
