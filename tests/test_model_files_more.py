@@ -196,3 +196,73 @@ def test_an_fp8_transformer_renders_the_same_on_every_rung(
     assert [r.rung for r in results] == list(rungs)
     shown = [pixels(r.images[0].path) for r in results]
     assert all(np.array_equal(shown[0], other) for other in shown[1:])
+
+
+SD2 = """\
+id: {id}
+family: sd2
+source: {source}
+{config}steps: {{default: 2, max: 8}}
+guidance: {{default: 7.0, max: 15.0}}
+resolutions: [[128, 128]]
+min_vram_gb: 0.1
+"""
+
+
+def _tiny_sd2(directory: Path) -> None:
+    """tiny-sd15 made SD 2.x-shaped (no tiny-sd2 ships): a linear-projection UNet, a GELU text
+    encoder that the file holds in OpenCLIP's layout, a v-prediction scheduler."""
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from worker.pipelines.tiny.components import CLIP_HIDDEN, LATENT_SIZE, clip_config, seeded
+    from worker.pipelines.tiny.sd import sd15
+
+    pipe = sd15()
+    pipe.unet = seeded(
+        61,
+        lambda: UNet2DConditionModel(
+            sample_size=LATENT_SIZE,
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=CLIP_HIDDEN,
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            norm_num_groups=8,
+        ),
+    )
+    pipe.text_encoder = seeded(62, lambda: CLIPTextModel(clip_config(len(pipe.tokenizer), "gelu")))
+    pipe.scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="v_prediction",
+        steps_offset=1,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)
+
+
+def test_an_sd2_file_renders_the_pixels_of_its_diffusers_twin(
+    make_settings: Any, tmp_path: Path
+) -> None:
+    """The LDM writer with OpenCLIP's text layout (ldm_openclip_file) is SD 2.x's single file:
+    read back through the same single-file path, v-prediction from the config, the same pixels."""
+    from worker.pipelines.tiny.files import ldm_openclip_file
+
+    models = tmp_path / "models"
+    _tiny_sd2(models / "tiny-sd2")
+    save_file(ldm_openclip_file(models / "tiny-sd2"), models / "tiny-sd2.safetensors")
+    assert tell_family(read_header(models / "tiny-sd2.safetensors")) == ("sd2", True)
+    for name, text in (
+        ("twin", SD2.format(id="twin", source="tiny-sd2", config="")),
+        ("file", SD2.format(id="file", source="tiny-sd2.safetensors", config="config: tiny-sd2\n")),
+    ):
+        (tmp_path / f"{name}.yaml").write_text(text)
+    settings = make_settings(models_dir=models, quantize="off")
+    info = probe(settings)
+    twin = read_pipeline(load_manifest_file(tmp_path / "twin.yaml"), info, settings)
+    from_file = read_pipeline(load_manifest_file(tmp_path / "file.yaml"), info, settings)
+    assert from_file.pipe.scheduler.config.prediction_type == "v_prediction"
+    assert np.array_equal(_render(twin), _render(from_file))

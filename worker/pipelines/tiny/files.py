@@ -96,6 +96,23 @@ def ldm_file(directory: Path) -> dict[str, torch.Tensor]:
     }
 
 
+def ldm_openclip_file(directory: Path) -> dict[str, torch.Tensor]:
+    """An SD 2.x pipeline in one LDM-layout file: as SD1.5's, with its OpenCLIP-H text encoder
+    under cond_stage_model.model. (q, k and v in one in_proj). OpenCLIP's text_projection, which
+    SD 2.x never uses (its diffusers text encoder has none), is written as the identity: diffusers
+    reads the encoder's width from its rows (convert_open_clip_checkpoint)."""
+    unet, unet_config = _weights(directory, "unet")
+    vae, vae_config = _weights(directory, "vae")
+    text = _text_model(_weights(directory, "text_encoder")[0])
+    width = text["text_model.final_layer_norm.weight"].shape[0]
+    text["text_projection.weight"] = torch.eye(width)
+    return {
+        **_prefixed("model.diffusion_model.", unet_to_ldm(unet, unet_config)),
+        **_prefixed("first_stage_model.", vae_to_ldm(vae, vae_config)),
+        **_prefixed("cond_stage_model.model.", clip_to_openclip(text)),
+    }
+
+
 def sgm_file(directory: Path) -> dict[str, torch.Tensor]:
     """An SDXL pipeline in one SGM-layout file: as LDM's, with CLIP-L under
     conditioner.embedders.0.transformer. and OpenCLIP-G under conditioner.embedders.1.model."""
