@@ -79,12 +79,12 @@ def tiled(vae: Any, tiles: Tiles | None = None) -> Iterator[str]:
     decode retried after out of memory (worker.memory.ladder's decode rules) trades a little speed
     and seam blending for a bounded peak, and the next job decodes as its load's switches said.
 
-    A video VAE tiles in time too where it can: LTX-Video's runs its temporal tiles only with
-    use_framewise_decoding on, which no diffusers method sets (0.42.1), so it is set here and put
-    back (in 0.42.1 its frames after the first temporal join come one frame late, a repeated
-    frame and the last one lost: tests/test_video_ladder.py holds that as a strict xfail, so a
-    fixed diffusers shows); Wan's needs nothing more (its decoder always runs one latent frame at
-    a time, so frames never add to the decode's peak beyond the output). tiles, where given,
+    A video VAE tiles in space only. LTX-Video's runs temporal tiles with use_framewise_decoding
+    on, which no diffusers method sets, and in 0.42.1 those frames after the first temporal join
+    come one frame late (a repeated frame, the last one lost: tests/test_video_ladder.py holds it
+    as a strict xfail, so a fixed diffusers shows): TIME_TILES stays off until then, since a
+    retry must give the job's own frames. Wan's decoder always runs one latent frame at a time,
+    so frames never add to its decode's peak beyond the output. tiles, where given,
     sets the tile sizes for this decode (a ValueError names a size the VAE's enable_tiling does
     not take). Yields what the retry ran with, for the attempt's detail."""
     sizes = tiles.given() if tiles is not None else {}
@@ -98,13 +98,18 @@ def tiled(vae: Any, tiles: Tiles | None = None) -> Iterator[str]:
             setattr(vae, flag, value)
 
 
+# LTX-Video's temporal tiles (use_framewise_decoding): off while diffusers shifts their frames.
+TIME_TILES = False
+
+
 def _switch_on(vae: Any, sizes: dict[str, int]) -> list[str]:
-    """Tiling (in time too where the VAE has framewise decoding) and slicing; the words for it."""
+    """Tiling (in time too where the VAE has framewise decoding and TIME_TILES) and slicing; the
+    words for it."""
     used = []
     if hasattr(vae, "enable_tiling"):
         vae.enable_tiling(**sizes)
         used.append("tiled")
-        if hasattr(vae, "use_framewise_decoding"):
+        if TIME_TILES and hasattr(vae, "use_framewise_decoding"):
             vae.use_framewise_decoding = True
             used[-1] = "tiled (space and time)"
     if hasattr(vae, "enable_slicing"):
