@@ -22,7 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PAIRS = [("tiny-sd15", "tiny-sd15-file"), ("tiny-sdxl", "tiny-sdxl-file")]
+PAIRS = [
+    ("tiny-sd15", "tiny-sd15-file"),
+    ("tiny-sdxl", "tiny-sdxl-file"),
+    ("tiny-sd3", "tiny-sd3-file"),
+    ("tiny-flux", "tiny-flux-file"),
+    ("tiny-flux", "tiny-flux-fp8"),
+]
 
 
 def main() -> int:

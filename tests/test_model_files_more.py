@@ -150,18 +150,16 @@ def test_an_fp8_file_is_refused_where_it_cannot_be_what_it_holds(
 
 
 def test_a_lora_on_an_fp8_transformer_computes_in_the_workers_dtype(make_settings: Any) -> None:
-    """PEFT makes a LoRA's layers in the fp8 base layer's dtype; lora_layers_in_compute_dtype
-    makes them the worker's: the LoRA then changes the image, at weight 0 it does not, and it
-    stays as close to tiny-flux with the same LoRA as without it."""
+    """PEFT makes a LoRA's layers in the fp8 base layer's dtype; the load makes them the
+    worker's (single_file.lora_layers_in_compute_dtype): the LoRA then changes the image, at
+    weight 0 it does not, and it stays as close to tiny-flux with the same LoRA as without it."""
     from api_client.schema import LoraChoice
-    from worker.pipelines.single_file import lora_layers_in_compute_dtype
 
     settings = make_settings(quantize="off")
     info = probe(settings)
     loras = {"detail": load_manifest_file(MANIFESTS / "tiny-flux.yaml").loras["detail"]}
     fp8 = read_pipeline(_bare("tiny-flux-fp8").model_copy(update={"loras": loras}), info, settings)
     full = read_pipeline(_bare("tiny-flux").model_copy(update={"loras": loras}), info, settings)
-    lora_layers_in_compute_dtype(fp8.pipe.transformer, fp8.dtype)
     shown: list[Any] = []
     twin: list[Any] = []
     for ask in ([], [("detail", 1.0)], [("detail", 0.0)]):
@@ -174,12 +172,6 @@ def test_a_lora_on_an_fp8_transformer_computes_in_the_workers_dtype(make_setting
     assert close >= 35, close
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker.pipelines.release._remove_group_offload takes every diffusers hook off, the"
-    " fp8 component's layerwise casting with them, which diffusers refuses (NotImplementedError:"
-    " LayerwiseCastingHook does not support deinitialization): it must keep that hook",
-)
 def test_an_fp8_transformer_renders_the_same_on_every_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:
@@ -266,3 +258,19 @@ def test_an_sd2_file_renders_the_pixels_of_its_diffusers_twin(
     from_file = read_pipeline(load_manifest_file(tmp_path / "file.yaml"), info, settings)
     assert from_file.pipe.scheduler.config.prediction_type == "v_prediction"
     assert np.array_equal(_render(twin), _render(from_file))
+
+
+def test_manifests_new_takes_an_fp8_file_as_what_it_holds(tmp_path: Path) -> None:
+    """ComfyUI's fp8 transformer is held in float8 already: the manifest `kiln manifests new`
+    writes quantizes it no further (a scheme on it would be refused at load)."""
+    from api_client.manifest import manifest_dirs
+    from worker.ops.new_manifest import new_manifest
+
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file(
+        {"double_blocks.0.img_attn.qkv.weight": torch.zeros(24, 8).to(torch.float8_e4m3fn)}, path
+    )
+    assert read_header(path).quant == "fp8-e4m3"
+    manifest = load_manifest_file(new_manifest(path, manifest_dirs(), tmp_path, tmp_path / "out"))
+    assert manifest.components["transformer"].file == path.name
+    assert "transformer" not in manifest.quantize

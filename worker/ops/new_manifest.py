@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ class FileHeader:
 
     path: Path
     tensors: dict[str, tuple[tuple[int, ...], int]]
-    quant: str | None = None  # GGUF: the type most weights hold (Q8_0, Q4_K, ...)
+    # What most weights are held as: GGUF's type (Q8_0, Q4_K, ...) or fp8 (fp8-e4m3).
+    quant: str | None = None
     sizes: dict[str, float] = field(default_factory=dict)  # component -> GB as stored
 
 
@@ -72,17 +74,19 @@ def read_header(path: Path) -> FileHeader:
         if length > 100_000_000:
             raise NewManifestError(f"FILE {str(path)!r}: no safetensors header ({length} bytes)")
         header = json.loads(handle.read(length))
+    entries = {name: info for name, info in header.items() if name != "__metadata__"}
     tensors = {
         name: (tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
-        for name, info in header.items()
-        if name != "__metadata__"
+        for name, info in entries.items()
     }
-    return FileHeader(path, tensors)
+    # An fp8 checkpoint (ComfyUI's) holds its weight matrices in float8: what the file holds,
+    # as a GGUF file's type is, so the manifest quantizes it no further.
+    kinds = Counter(info["dtype"] for info in entries.values() if len(info["shape"]) == 2)
+    held = kinds.most_common(1)[0][0] if kinds else None
+    return FileHeader(path, tensors, {"F8_E4M3": "fp8-e4m3", "F8_E5M2": "fp8-e5m2"}.get(held or ""))
 
 
 def _gguf_header(path: Path) -> FileHeader:
-    from collections import Counter
-
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))

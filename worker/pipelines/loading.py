@@ -23,7 +23,11 @@ from worker.pipelines.adapters import AdapterSlots
 from worker.pipelines.families import check_installed, spec_for
 from worker.pipelines.quantize import pick_schemes
 from worker.pipelines.resident import DTYPES, LoadedPipeline, host_bytes
-from worker.pipelines.single_file import read_weights, refuse_pickles
+from worker.pipelines.single_file import (
+    lora_layers_in_compute_dtype,
+    read_weights,
+    refuse_pickles,
+)
 from worker.pipelines.switches import apply_compile, apply_rung_switches, apply_switches, switch
 from worker.pipelines.vae import load_vae_override, upcast_before_placement
 from worker.settings import Settings
@@ -174,6 +178,7 @@ def _prepare_adapters(loaded: LoadedPipeline, settings: Settings) -> None:
         return
     denoiser = loaded.spec.denoiser
     slots = AdapterSlots.prepare(loaded.pipe, manifest, denoiser, settings.models_dir)
+    lora_layers_in_compute_dtype(getattr(loaded.pipe, denoiser), loaded.dtype)  # fp8-held
     loaded.adapters = slots
     ranks = ", ".join(f"{a.name} r{a.rank}" for a in slots.adapters.values())
     loaded.settings.add(

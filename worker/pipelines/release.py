@@ -74,13 +74,19 @@ def drop_beside(loaded: Loaded) -> None:
     loaded.reference = None
 
 
+# diffusers hooks that are the weights' own, not a placement's: an fp8 component's layerwise
+# casting (diffusers refuses to take it off: "does not support deinitialization") and PEFT's
+# beside it. They stay through every rung change and eviction.
+KEPT_HOOKS = ("layerwise_casting", "peft_autocast_disable")
+
+
 def _remove_group_offload(module: torch.nn.Module) -> None:
     from diffusers.hooks import HookRegistry
 
     for sub in module.modules():
         registry = getattr(sub, "_diffusers_hook", None)
         if isinstance(registry, HookRegistry):
-            for name in list(registry.hooks):
+            for name in [n for n in registry.hooks if n not in KEPT_HOOKS]:
                 registry.remove_hook(name, recurse=False)
 
 

@@ -49,7 +49,8 @@ __all__ = [
 # 8: self-hosters' files of the same weights: single-file sd15/sdxl, a kohya LoRA, a GGUF flux
 # transformer (worker.pipelines.tiny.files).
 # 9: the tiny TAESD answers mid-grey with a spread, not black (tiny.components.taesd).
-# 10: tiny-wan and tiny-ltx (worker.pipelines.tiny.wan, ltx), the video families.
+# 10: tiny-wan and tiny-ltx (worker.pipelines.tiny.wan, ltx), the video families; tiny-sd3's
+# single file, tiny-flux's transformer in BFL's layout and in fp8 e4m3 (tiny.files).
 BUILDER_VERSION: Final = 10
 STAMP_FILE: Final = "kiln_tiny.json"
 
