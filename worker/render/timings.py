@@ -95,7 +95,7 @@ class Stopwatch:
 
 
 class PartialBlocks(BaseModel):
-    """At the partial rung: how many of the denoiser's blocks stayed on the device (at least one)
+    """At the partial rung: how many of the denoiser's blocks stayed on the device (at least one, none when it has only one block)
     and how many were streamed in at each step."""
 
     resident: int
