@@ -95,8 +95,8 @@ class Stopwatch:
 
 
 class PartialBlocks(BaseModel):
-    """At the partial rung: how many of the denoiser's blocks stayed on the device (at least one, none when it has only one block)
-    and how many were streamed in at each step."""
+    """At the partial rung: how many of the denoiser's blocks stayed on the device (at least one,
+    none when it has only one block) and how many were streamed in at each step."""
 
     resident: int
     streamed: int
