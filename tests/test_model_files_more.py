@@ -172,6 +172,7 @@ def test_a_lora_on_an_fp8_transformer_computes_in_the_workers_dtype(make_setting
     assert close >= 35, close
 
 
+@pytest.mark.slow  # three loads and renders; make test holds fp8's render and record
 def test_an_fp8_transformer_renders_the_same_on_every_rung(
     redis_conn: Redis, make_settings: Any
 ) -> None:

@@ -46,6 +46,7 @@ def frames_of(result: RenderResult) -> np.ndarray:
 # -- every rung ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 11 s: make test holds the decode drill and tiling; make test-slow every rung
 @pytest.mark.parametrize("model", MODELS)
 def test_every_rung_renders_the_video_full_does(
     redis_conn: Redis, settings: Any, model: str
