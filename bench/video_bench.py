@@ -1,18 +1,21 @@
 """Issue 41's video measurements on this machine: tiny-wan's and tiny-ltx's phase timings per
 frame count, the video encode's share of a job per container, and the peak's growth with frames.
 
-    .venv/bin/python bench/video_bench.py                       # 9, 17, 33 frames, 3 repeats
-    .venv/bin/python bench/video_bench.py --frames 9,17 --repeats 2 --json out.json
+    .venv/bin/python bench/video_bench.py                       # 9, 17, 33 frames, 3 passes
+    .venv/bin/python bench/video_bench.py --frames 9,17 --passes 2 --json out.json
 
 Each (model, frames) cell runs in a fresh process (this script again, with --cell) through
 kiln's own Renderer at 64x64 and 4 steps: one cold job (the load; left out), then `repeats`
-rounds of one warm job per format (mp4, webm, animated webp). Phases are medians over a cell's
-warm jobs; the encode's share is video_encode / total per format. A fresh process per cell
-because on a CPU the record's peak_memory_bytes is the process's resident-set high-water mark
-(worker.memory.device.peak_bytes: VmHWM, reset through /proc/self/clear_refs when the job's text
-encode starts, read after its decode): heap a larger job freed but the allocator kept would lift
-a smaller job's peak in the same process. That peak is the whole process (torch, the loaded
-pipeline, Python), not the job's own tensors; its slope over frames is the job's growth.
+rounds of one warm job per format (mp4, webm, animated webp). That is done `passes` times, every
+cell once a pass, the order reversed each pass, so a burst of load from elsewhere on a shared
+machine falls on every frame count alike rather than on the cell that ran then. Phases are
+medians over a cell's warm jobs of all passes; the encode's share is video_encode / total per
+format. A fresh process per cell because on a CPU the record's peak_memory_bytes is the
+process's resident-set high-water mark (worker.memory.device.peak_bytes: VmHWM, reset through
+/proc/self/clear_refs when the job's text encode starts, read after its decode): heap a larger
+job freed but the allocator kept would lift a smaller job's peak in the same process. That peak
+is the whole process (torch, the loaded pipeline, Python), not the job's own tensors; its slope
+over frames is the job's growth.
 
 The fits are `kiln bench`'s least squares (worker.render.timings.linear_fit; a negative slope
 or intercept called noise, as worker.ops.report.fit_note calls one over steps): peak_bytes =
@@ -63,7 +66,7 @@ class Cell:
 
     model: str
     frames: int
-    cold_total_s: float = 0.0
+    cold_s: list[float] = field(default_factory=list)  # each pass's cold job's total
     jobs: list[Job] = field(default_factory=list)
 
     def median(self, phase: str, fmt: str | None = None) -> float:
@@ -93,22 +96,25 @@ def main(argv: list[str] | None = None) -> int:
 
     models = args.models.split(",")
     build_tiny_models(args.models_dir, [m.removeprefix("tiny-") for m in models])
-    # 2. Every cell in its own process, each model's frame counts in ascending order.
+    # 2. Every cell in its own process once a pass, the order reversed each pass.
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    cells = [
-        _spawn(model, frames, args)
-        for model in models
-        for frames in sorted(int(f) for f in args.frames.split(","))
-    ]
+    frames = sorted(int(f) for f in args.frames.split(","))
+    cells = {(model, n): Cell(model, n) for model in models for n in frames}
+    order = list(cells)
+    for number in range(args.passes):
+        for key in order if number % 2 == 0 else order[::-1]:
+            ran = _spawn(*key, args)
+            cells[key].cold_s += ran.cold_s
+            cells[key].jobs += ran.jobs
     took, load_after = time.perf_counter() - started, os.getloadavg()[0]
     # 3. The tables, and the raw cells if asked.
-    print(report(cells, args.steps, args.repeats))
+    print(report(list(cells.values()), args.steps, args.repeats * args.passes))
     print(
         f"\n{len(cells)} cells in {took:.0f} s; load average {load_before:.2f} before, "
         f"{load_after:.2f} after"
     )
     if args.json:
-        args.json.write_text(json.dumps([asdict(c) for c in cells], indent=2) + "\n")
+        args.json.write_text(json.dumps([asdict(c) for c in cells.values()], indent=2) + "\n")
     return 0
 
 
@@ -120,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--models", default="tiny-wan,tiny-ltx", help="tiny video models")
     parser.add_argument("--frames", default="9,17,33", help="frame counts (each family's rule)")
-    parser.add_argument("--repeats", type=int, default=3, help="warm rounds of every format")
+    parser.add_argument("--passes", type=int, default=3, help="fresh processes a cell")
+    parser.add_argument("--repeats", type=int, default=1, help="warm rounds of every format a pass")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps a job")
     parser.add_argument(
         "--models-dir",
@@ -149,7 +156,7 @@ def _spawn(model: str, frames: int, args: argparse.Namespace) -> Cell:
             raise RuntimeError(f"cell {model}:{frames} failed:\n{done.stderr[-3000:]}")
         raw = json.loads(out.read_text())
     print(f"  {model} {frames} frames: {len(raw['jobs'])} warm jobs", file=sys.stderr)
-    return Cell(raw["model"], raw["frames"], raw["cold_total_s"], [Job(**j) for j in raw["jobs"]])
+    return Cell(raw["model"], raw["frames"], raw["cold_s"], [Job(**j) for j in raw["jobs"]])
 
 
 def run_cell(model: str, frames: int, repeats: int, steps: int, models_dir: Path) -> Cell:
@@ -186,10 +193,12 @@ def run_cell(model: str, frames: int, repeats: int, steps: int, models_dir: Path
                 "frames": frames,
                 "output_format": fmt,
             }
-            renderer.render(request, LocalContext(f"video-bench-{index}"))
+            result = renderer.render(request, LocalContext(f"video-bench-{index}"))
+            if [video.frames for video in result.videos] != [frames]:
+                raise RuntimeError(f"{model}: asked for {frames} frames, got {result.videos}")
             record = records[-1]
             if kind == "cold":
-                cell.cold_total_s = record.timings.total
+                cell.cold_s.append(record.timings.total)
                 continue
             timings = record.timings.model_dump()
             cell.jobs.append(
@@ -221,11 +230,12 @@ def report(cells: list[Cell], steps: int, repeats: int) -> str:
     """Markdown: phases per cell, the encode's share per format, and the two fits per model."""
     lines = [
         f"Phase medians (s) at {SIZE}x{SIZE}, {steps} steps, {repeats} warm rounds x "
-        f"{len(FORMATS)} formats a cell:",
+        f"{len(FORMATS)} formats a cell (fastest: the least contended warm job; cold job: the"
+        " median of its passes' first jobs):",
         "",
         "| model | frames | text_encode | denoise | per step | decode | video_encode | total |"
-        " peak MB | cold job |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " fastest total | peak MB | cold job |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         peak = c.peak()
@@ -234,7 +244,8 @@ def report(cells: list[Cell], steps: int, repeats: int) -> str:
         lines.append(
             f"| {c.model} | {c.frames} | {phases} | {per_step:.3f} | {c.median('decode'):.3f} | "
             f"{c.median('video_encode'):.3f} | {c.median('total'):.3f} | "
-            f"{'-' if peak is None else f'{peak / MB:.0f}'} | {c.cold_total_s:.1f} |"
+            f"{min(j.seconds['total'] for j in c.jobs):.3f} | "
+            f"{'-' if peak is None else f'{peak / MB:.0f}'} | {statistics.median(c.cold_s):.1f} |"
         )
     lines += [
         "",

@@ -36,13 +36,14 @@ def _job(fmt: str, encode: float, total: float, peak_mb: float) -> Job:
 
 
 def test_report_gives_medians_the_encodes_share_per_format_and_both_fits() -> None:
+    formats = ("mp4", "webm", "webp")
     cells = [
-        Cell("tiny-wan", frames, 5.0, [_job(f, 0.1 * frames / 9, 2.0, 1000 + frames) for f in fmts])
-        for frames in (9, 33)
-        for fmts in [("mp4", "webm", "webp")]
+        Cell("tiny-wan", n, [5.0, 7.0, 6.0], [_job(f, 0.1 * n / 9, 2.0, 1000 + n) for f in formats])
+        for n in (9, 33)
     ]
     text = report(cells, steps=4, repeats=1)
-    assert "| tiny-wan | 9 | 0.100 | 0.400 | 0.100 | 0.500 | 0.100 | 2.000 | 1009 | 5.0 |" in text
+    row = "| tiny-wan | 9 | 0.100 | 0.400 | 0.100 | 0.500 | 0.100 | 2.000 | 2.000 | 1009 | 6.0 |"
+    assert row in text
     assert "| tiny-wan | 33 | 18.3% (0.367 s) | 18.3% (0.367 s) | 18.3% (0.367 s) |" in text
     assert "- tiny-wan peak = 1000.000 MB + 1.0000 MB x frames (6 jobs)" in text
     assert "- tiny-wan total = 2.000 s + 0.0000 s x frames (6 jobs)" in text
