@@ -9,6 +9,9 @@ back by `kiln replay`. No torch here: reading an image's details loads no model.
   UTF-16 in the EXIF block's byte order), beside EXIF Software. UTF-16 keeps the worst case,
   two 4000-character prompts of emoji, near 33 kB, inside the 64 kB of a JPEG's EXIF segment;
   the same JSON escaped to ASCII (ImageDescription's type) would need 96 kB.
+
+Over 400 lines because the details' schema, their replay request, their writing into each
+format and their reading back with every refusal are one contract, read together.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from PIL import ExifTags, Image
+from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,13 +45,12 @@ from api_client.schema import (
     StepCacheReport,
 )
 from worker.errors import CannotReplay
+from worker.files.tags import DETAILS_KEY, details_from_exif, exif_with_details
 
 if TYPE_CHECKING:
     from worker.pipelines.resident import Rendered
 
-DETAILS_KEY = "kiln"  # the PNG text chunk holding the JSON
 DETAILS_VERSION: Literal[1] = 1
-_UNICODE = b"UNICODE\x00"  # EXIF UserComment's 8-byte character code
 # Details nest three deep (the object, its loras list, a LoRA); a document nested deeper than this
 # is no kiln's, and one nested thousands deep would overflow the JSON reader's stack.
 MAX_DEPTH = 8
@@ -273,28 +275,6 @@ def save_options(details: ImageDetails, fmt: OutputFormat) -> dict[str, Any]:
         info.add_text("Software", software)
         return {"pnginfo": info}
     return {"exif": exif_with_details(document, software)}
-
-
-def exif_with_details(document: str, software: str | None = None) -> bytes:
-    """An EXIF block with the details JSON in UserComment (character code UNICODE: UTF-16 in the
-    block's byte order), as a WebP or JPEG carries it, still or animated (worker.files.video)."""
-    exif = Image.Exif()
-    if software is not None:
-        exif[ExifTags.Base.Software] = software
-    codec = "utf-16-le" if exif.endian == "<" else "utf-16-be"  # as Exif.tobytes() writes
-    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment] = _UNICODE + document.encode(codec)
-    return exif.tobytes()
-
-
-def details_from_exif(exif: Image.Exif) -> str | None:
-    """The details JSON in an EXIF UserComment of character code UNICODE; None when there is none.
-    UnicodeDecodeError for a comment that is not UTF-16."""
-    comment = exif.get_ifd(ExifTags.IFD.Exif).get(ExifTags.Base.UserComment)
-    if not isinstance(comment, bytes) or not comment.startswith(_UNICODE):
-        return None
-    body = comment[len(_UNICODE) :]
-    # The JSON opens with "{": its zero byte says the byte order, whatever the EXIF header says.
-    return body.decode("utf-16-be" if body[:1] == b"\x00" else "utf-16-le")
 
 
 def parameters_text(details: ImageDetails) -> str:

@@ -3,7 +3,7 @@ each carrying the job's generation details (the JSON worker/files/details.py wri
 PyAV (FFmpeg's libraries in its wheels) encodes MP4 and WebM, Pillow the WebP; av is imported
 inside the functions that use it, so importing this module loads no FFmpeg.
 
-Where the details go, under kiln's key (details.DETAILS_KEY, "kiln"):
+Where the details go, under kiln's key (tags.DETAILS_KEY, "kiln"):
 - MP4: a metadata tag in moov's udta (movflags use_metadata_tags: FFmpeg writes custom keys only
   then, and drops them silently otherwise).
 - WebM: a Matroska SimpleTag (FFmpeg's reader gives it back as "KILN": tag names are upper case).
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from PIL import Image
 
-from worker.files.details import DETAILS_KEY, details_from_exif, exif_with_details
+from worker.files.tags import DETAILS_KEY, details_from_exif, exif_with_details
 
 if TYPE_CHECKING:
     import av.container

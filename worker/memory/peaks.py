@@ -14,7 +14,10 @@ Needs are planned with MARGIN on top. On a CPU, "device" memory is the process's
 
 Clients can write kiln:peaks too. A figure no card could hold (PLAUSIBLE_GB) is ignored, and the
 book is read again (at most every REREAD_S) each time the memory gate asks, so a forged or stale
-figure deleted from Redis stops blocking a worker that already read it."""
+figure deleted from Redis stops blocking a worker that already read it.
+
+Over 400 lines because the book's keys (a video's frames among them), its reading and writing
+and the fit between frame counts are one record of what a model needed, read together."""
 
 from __future__ import annotations
 

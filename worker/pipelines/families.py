@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from api_client.families import family_row
 from api_client.manifest import Manifest
+from worker.pipelines.prompt import Embeds, Prompt
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
-
-Embeds = dict[str, Any]  # tensors; Z-Image takes a list of per-prompt tensors
 
 
 def cfg_active(family: str, guidance: float, true_cfg: float | None) -> bool:
@@ -34,21 +33,6 @@ def cfg_active(family: str, guidance: float, true_cfg: float | None) -> bool:
     rule = family_row(family).cfg
     value = guidance if rule.field == "guidance" else true_cfg
     return value is not None and value > rule.above
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """What a text encode is asked for: the texts, the batch, and whether CFG needs a negative."""
-
-    text: str
-    negative: str
-    count: int
-    cfg: bool
-    max_tokens: int | None = None  # the manifest's max_sequence_length (T5 and Qwen encoders)
-    image: Image.Image | None = None  # an edit's input, which Qwen-Image-Edit's encoder reads too
-
-    def tokens(self) -> dict[str, int]:
-        return {} if self.max_tokens is None else {"max_sequence_length": self.max_tokens}
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from worker.pipelines import video_decode
-from worker.pipelines.families import Embeds, Prompt
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+
+    from worker.pipelines.prompt import Embeds, Prompt
 
 # WanPipeline.__call__ encodes at 512 tokens; its encode_prompt's own default is 226.
 WAN_TOKENS = 512

@@ -28,7 +28,8 @@ from worker.memory.device import DeviceInfo
 from worker.memory.faults import FaultPlan
 from worker.pipelines import control, latent_preview, reference
 from worker.pipelines.adapters import AdapterRefused
-from worker.pipelines.families import Prompt, cfg_active, decode_preview
+from worker.pipelines.families import cfg_active, decode_preview
+from worker.pipelines.prompt import Prompt
 from worker.pipelines.resident import LoadedPipeline
 from worker.pipelines.step_cache import StepCache
 from worker.pipelines.switches import preview_steps
