@@ -5,11 +5,18 @@ and the CLIP, T5 and Qwen3 text-encoder configs, with the sizes that must agree 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny
-from transformers import CLIPTextConfig, Qwen2Tokenizer, Qwen3Config, T5Config, T5Tokenizer
+from transformers import (
+    CLIPTextConfig,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    T5Config,
+    T5Tokenizer,
+    UMT5Config,
+)
 
 from worker.pipelines.tiny.tokenizers import CLIP_MAX_LENGTH, token_id
 
@@ -101,13 +108,20 @@ def clip_config(vocab_size: int, hidden_act: str) -> CLIPTextConfig:
     )
 
 
-def t5_config(tokenizer: T5Tokenizer) -> T5Config:
-    # Relative position buckets, not a table, so any prompt length the pipelines pass works.
-    return T5Config(
+def t5_config(
+    tokenizer: T5Tokenizer,
+    kind: type[T5Config] | type[UMT5Config] = T5Config,
+    d_model: int = T5_HIDDEN,
+    d_kv: int = 16,
+    d_ff: int = 128,
+) -> Any:
+    """T5's shape (gated GELU, relative position buckets, not a table, so any prompt length the
+    pipelines pass works), shrunk; kind UMT5Config gives umT5's (a bias in every layer)."""
+    return kind(
         vocab_size=len(tokenizer),
-        d_model=T5_HIDDEN,
-        d_kv=16,
-        d_ff=128,
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=d_ff,
         num_layers=2,
         num_heads=4,
         relative_attention_num_buckets=8,

@@ -22,7 +22,7 @@ from diffusers import (
 )
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from worker.pipelines.tiny.components import seeded
+from worker.pipelines.tiny.components import seeded, t5_config
 from worker.pipelines.tiny.tokenizers import umt5_tokenizer
 
 # Wan 2.2's VAE: 48 latent channels; 2x2 pixel patches then three 2x downsamples make 16x
@@ -36,7 +36,7 @@ def wan() -> WanPipeline:
     tokenizer = umt5_tokenizer()
     return WanPipeline(
         tokenizer=tokenizer,
-        text_encoder=seeded(72, lambda: UMT5EncoderModel(umt5_config(tokenizer))),
+        text_encoder=seeded(72, lambda: UMT5EncoderModel(_umt5_config(tokenizer))),
         vae=seeded(73, _wan22_vae),
         scheduler=wan22_ti2v_scheduler(),
         transformer=seeded(71, _transformer),
@@ -93,21 +93,10 @@ def _spread(count: int, low: float, high: float) -> list[float]:
     return [round(v, 4) for v in torch.linspace(low, high, count).tolist()]
 
 
-def umt5_config(tokenizer: T5Tokenizer) -> UMT5Config:
+def _umt5_config(tokenizer: T5Tokenizer) -> UMT5Config:
     """umT5-XXL's shape (gated GELU, a relative position bias in every layer), shrunk."""
-    return UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=UMT5_HIDDEN,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config: UMT5Config = t5_config(tokenizer, UMT5Config, d_model=UMT5_HIDDEN, d_kv=8, d_ff=64)
+    return config
 
 
 def wan22_ti2v_scheduler() -> UniPCMultistepScheduler:
