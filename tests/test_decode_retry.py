@@ -62,7 +62,9 @@ def test_decode_oom_once_retries_the_decode_tiled_and_denoises_once(
     assert result.timings.load > 0 and record.load_source == "disk"  # the one load, no reload
 
 
-@pytest.mark.parametrize("model", [MODEL, "tiny-flux", "tiny-qwenimage"])
+@pytest.mark.parametrize(
+    "model", [MODEL, "tiny-flux", pytest.param("tiny-qwenimage", marks=pytest.mark.slow)]
+)
 def test_decode_oom_twice_decodes_one_rung_lower_without_denoising_again(
     redis_conn: Redis, make_settings: Any, model: str
 ) -> None:

@@ -146,7 +146,16 @@ def test_generation_oom_twice_descends_reloads_and_retries(
     assert result.timings.load > 0  # the reload at the lower rung is charged to load
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-flux2", "tiny-qwenimage", "tiny-zimage"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "tiny-flux",  # make test; make test-slow drills the other three transformer families
+        *(
+            pytest.param(model, marks=pytest.mark.slow)
+            for model in ("tiny-flux2", "tiny-qwenimage", "tiny-zimage")
+        ),
+    ],
+)
 @pytest.mark.parametrize("phase", ["text_encode", "denoise", "decode"])
 def test_the_new_families_drill_each_phase_on_its_own(
     redis_conn: Redis, make_settings: Any, model: str, phase: str

@@ -30,6 +30,11 @@ from worker.pipelines.tiny.lora import TINY_LORAS, WEIGHT_NAME
 from worker.render.context import LocalContext
 
 FAMILIES = ["sd15", "sdxl", "sd3", "flux", "flux2", "qwenimage", "zimage"]
+# make test renders a UNet's and a transformer's LoRA job; make test-slow the other five's.
+RENDERED = [
+    family if family in ("sd15", "flux") else pytest.param(family, marks=pytest.mark.slow)
+    for family in FAMILIES
+]
 
 
 def test_the_builder_makes_two_adapters_on_different_layers_and_ranks(tiny_dir: Path) -> None:
@@ -43,7 +48,7 @@ def test_the_builder_makes_two_adapters_on_different_layers_and_ranks(tiny_dir: 
         assert not any(".to_k." in k for k in style), "style covers to_q and to_v only"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", RENDERED)
 def test_a_lora_job_renders_through_a_worker_and_swapping_back_reproduces(
     redis_conn: Redis, settings: Any, family: str
 ) -> None:
