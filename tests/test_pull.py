@@ -278,7 +278,9 @@ def test_a_hub_that_cannot_be_reached_fails_in_one_line(
     def unreachable(*args: Any, **kwargs: Any) -> None:
         raise LocalEntryNotFoundError("Got: ConnectError: Name or service not known\nmore")
 
+    # Both calls a pull makes: huggingface_hub's own backoff would spend 23 s on DNS retries.
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
     manifests = load_manifests(settings.manifests, ["sdxl-turbo"])
     with pytest.raises(PullError) as failure:
         pull(manifests, settings.models_dir, say=lambda _line: None)
