@@ -71,7 +71,9 @@ plausible = {
     "steps": st.integers(min_value=-5, max_value=60),
     "guidance": st.floats(min_value=-2, max_value=20),
     "true_cfg": st.one_of(st.none(), st.floats(min_value=-1, max_value=12)),
-    "mode": st.sampled_from([None, "txt2img", "img2img", "inpaint", "edit", "outpaint"]),
+    "mode": st.sampled_from(
+        [None, "txt2img", "img2img", "inpaint", "edit", "outpaint", "txt2video", "img2video"]
+    ),
     "image": st.sampled_from(IMAGE_REFS),
     "mask": st.sampled_from([None, "kiln-input:" + "1" * 64, "s3://other/bucket/m.png", ""]),
     "strength": st.one_of(st.none(), st.floats(min_value=-1, max_value=2)),
@@ -89,7 +91,10 @@ plausible = {
     "height": st.sampled_from([0, -128, 128, 192, 4096]),
     "seed": st.integers(min_value=-10, max_value=2**33),
     "num_images": st.integers(min_value=-1, max_value=6),
-    "output_format": st.sampled_from(["png", "webp", "jpeg", "gif", ""]),
+    "output_format": st.sampled_from(["png", "webp", "jpeg", "gif", "", "mp4", "webm"]),
+    # A video model's; the image models served here refuse them, naming the field.
+    "frames": st.one_of(st.none(), st.integers(min_value=-1, max_value=40)),
+    "fps": st.one_of(st.none(), st.integers(min_value=-1, max_value=70)),
     "previews": st.sampled_from([False, True, 0, "yes"]),
     "webhook": st.sampled_from([None, "nope", "https://attacker.example/hook", "", "a" * 65]),
     "rung": st.sampled_from([None, "full", "model_offload", "group_offload", "partial", "", "x"]),
