@@ -58,7 +58,9 @@ def test_submit_render_result(redis_conn: Redis, settings: Any, model: str) -> N
         t.load > 0 and t.text_encode > 0 and t.denoise > 0 and t.decode > 0 and t.image_encode > 0
     )
     after_wait = sum(getattr(t, p) for p in PHASES if p not in ("queue_wait", "total"))
-    assert after_wait == pytest.approx(t.total, rel=0.05)
+    # Within 5 %, or 15 ms on a job this short: the lease checks between phases are Redis round
+    # trips, which a loaded 2-core machine stretches (13 ms of a 0.24 s job once, in make test).
+    assert after_wait == pytest.approx(t.total, rel=0.05, abs=0.015)
     assert t.queue_wait > 0
     assert any(note.name == "sdpa" for note in result.settings.applied)
 
