@@ -172,6 +172,7 @@ def test_manifests_publish_then_client_validates_against_redis(
     assert redis_conn.hexists("kiln:manifests", "tiny-sd3")
 
 
+@pytest.mark.slow  # every tiny model again in a subprocess (~17 s); the suite's own build is tested
 def test_tiny_models_verb_builds_into_a_directory(tmp_path: Path, kiln_env: dict[str, str]) -> None:
     started = time.perf_counter()
     done = kiln("tiny-models", str(tmp_path / "m"), env=kiln_env)

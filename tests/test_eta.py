@@ -70,6 +70,7 @@ def test_a_job_answered_from_the_store_is_counted_once_in_metrics() -> None:
     assert after == before + 1
 
 
+@pytest.mark.slow  # renders to fit, then a queue to count (~20 s): make test-slow, which CI runs
 def test_job_eta_counts_the_jobs_ahead_with_their_fits(redis_conn: Redis, settings: Any) -> None:
     client = client_for(redis_conn, settings)
     for steps in (2, 2, 6, 4, 6):  # the first is cold and not fitted

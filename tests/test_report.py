@@ -187,6 +187,7 @@ def test_bench_runs_a_matrix_in_process_and_compares_rungs(
     assert (out / "phases.png").is_file() and (out / "timings.csv").is_file()
 
 
+@pytest.mark.slow  # a profiled worker run (~17 s): make test-slow, which CI runs
 def test_profile_writes_a_trace_with_kiln_phases(
     tmp_path: Path, kiln_env: dict[str, str], settings: Any
 ) -> None:

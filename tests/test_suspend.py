@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from redis import Redis
 
 from api_client import KilnClient, keys
@@ -61,6 +62,7 @@ def test_every_claim_reads_the_suspension_key(redis_conn: Redis) -> None:
     assert not claimer.suspended
 
 
+@pytest.mark.slow  # a live worker process held and let go (~20 s): make test-slow, which CI runs
 def test_rq_suspend_holds_a_live_worker_and_rq_resume_lets_it_go_on(
     redis_conn: Redis, kiln_env: dict[str, str], tmp_path: Path
 ) -> None:
