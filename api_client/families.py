@@ -4,7 +4,9 @@ worker's row (worker.pipelines.families.FamilySpec) adds its pipeline classes. C
 family's row; it never compares the family's name.
 
 Adding a family is one row here, its name in Family, its worker row with its pipeline classes,
-and its tiny model (worker.pipelines.tiny); tests/test_families.py holds the tables together."""
+and its tiny model (worker.pipelines.tiny); tests/test_families.py holds the tables together.
+Over 400 lines because the rows and the rules they share (CFG, controls, samplers, frames) are
+one table, read together."""
 
 from __future__ import annotations
 

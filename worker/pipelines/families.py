@@ -8,8 +8,9 @@ code asks the spec or the row, never the family's name.
 Rendering runs in three calls (encode, denoise to latents, decode) instead of one pipeline call
 so each phase is timed, fault-injected and retried on its own. torch is imported where a decode
 needs it, so `kiln pull` reads what a family fetches without it; the tiny builders are named,
-not imported, for the same reason. Over 400 lines because it holds eight families' specs with
-their encode and decode side by side, each a few lines, so they read as one table.
+not imported, for the same reason. Over 400 lines because it holds ten families' specs with
+their encode and decode side by side, each a few lines, so they read as one table (the video
+families' encode and decode are worker.pipelines.video's, which imports torch).
 """
 
 from __future__ import annotations
